@@ -1,0 +1,37 @@
+"""Errors the tool reports to users: one line, naming the file and tensor, and an exit code."""
+from __future__ import annotations
+
+
+class ConvertError(Exception):
+    """Base: a problem the user must fix. ``exit_code`` is documented in the README."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        where = ", ".join(x for x in (file and f"file {file}", tensor and f"tensor {tensor}") if x)
+        super().__init__(f"{where}: {message}" if where else message)
+        self.file, self.tensor = file, tensor
+
+
+class BadInput(ConvertError):
+    """The source checkpoint is malformed, truncated, or not something we convert."""
+
+    exit_code = 2
+
+
+class ThresholdExceeded(ConvertError):
+    """Conversion finished, but a tensor's error is above --max-rel-rmse."""
+
+    exit_code = 3
+
+
+class Interrupted(ConvertError):
+    """Stopped by a signal; finished shards are kept and the next run resumes."""
+
+    exit_code = 130
+
+
+class OutputError(ConvertError):
+    """DST cannot be written (exists with other content, read-only, disk full, locked)."""
+
+    exit_code = 4

@@ -1,0 +1,1 @@
+"""File formats: safetensors shards, the HF checkpoint directory, MXFP4 and int4 layouts."""

@@ -1,0 +1,109 @@
+"""Exact lookup tables for MXFP4 -> int4 group-32 requantization (SPEC §5).
+
+A block's values are ``LUT[c] * 2**(s-127)`` and its int4 scale is ``m * 2**(s-127)`` for
+a bf16 multiplier ``m``; the block's error then depends only on the histogram of its codes
+and on ``m``. The tables here are functions of the candidate multipliers, computed once in
+float64, where every quantity involved is exact (docs/maths.md).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .candidates import CANDIDATE_BITS, CLASS_MEMBERS
+
+# FP4 E2M1 code -> value; codes 8..15 are the negatives (8 is -0).
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float64,
+)
+QMIN, QMAX = -8, 7
+GROUP = 32
+E8M0_NAN = 255
+
+
+def bf16_bits_to_float(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns -> exact float64 values."""
+    return (np.asarray(bits, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def best_q(values: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Nearest int4 level for each (value, multiplier), ties towards zero: ``[V, K]`` int8.
+
+    Every level is tried, so no library's rounding mode is involved.
+    """
+    levels = np.arange(QMIN, QMAX + 1, dtype=np.float64)
+    order = np.argsort(np.abs(levels), kind="stable")  # argmin keeps the first: smallest |q|
+    levels = levels[order]
+    err = (levels[None, None, :] * m[None, :, None] - values[:, None, None]) ** 2
+    return levels[np.argmin(err, axis=2)].astype(np.int8)
+
+
+def score_table(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per (code, candidate): the int4 level, and ``(q m - L)^2 - L^2``.
+
+    Summed over a block's codes the second ranks candidates exactly like the squared error,
+    and every partial sum is exact in float64.
+    """
+    q = best_q(E2M1_VALUES, m)
+    qm = q.astype(np.float64) * m[None, :]
+    return q, qm * qm - 2.0 * qm * E2M1_VALUES[:, None]
+
+
+@dataclass(frozen=True)
+class Tables:
+    """Everything a requantizer needs, indexed by candidate k (priority order)."""
+
+    q: np.ndarray          # [16, K] int8: int4 level for each code
+    score: np.ndarray      # [16, K] float64: ranking score per code
+    err2: np.ndarray       # [16, K] float64: (q m - L)^2
+    abserr: np.ndarray     # [16, K] float64: |q m - L|
+    byte_map: np.ndarray   # [K, 256] uint8: MXFP4 byte (two codes) -> int4 byte (two q+8)
+    exp: np.ndarray        # [K] int32: bf16 exponent field of m
+    mant: np.ndarray       # [K] int32: bf16 mantissa bits of m
+    members: dict[int, np.ndarray]  # largest-magnitude level -> candidate indices
+
+
+@functools.cache
+def tables() -> Tables:
+    bits = np.array(CANDIDATE_BITS, dtype=np.uint32)
+    m = bf16_bits_to_float(bits)
+    q, score = score_table(m)
+    d = q.astype(np.float64) * m[None, :] - E2M1_VALUES[:, None]
+    b = np.arange(256)
+    nib = (q.astype(np.int16) + 8).astype(np.uint8)  # [16, K]
+    byte_map = (nib[b & 15, :] | (nib[b >> 4, :] << 4)).T.copy()
+    return Tables(
+        q=q, score=score, err2=d * d, abserr=np.abs(d), byte_map=byte_map,
+        exp=((bits >> 7) & 0xFF).astype(np.int32), mant=(bits & 0x7F).astype(np.int32),
+        members={lv: np.array(ix, dtype=np.int64) for lv, ix in CLASS_MEMBERS.items()},
+    )
+
+
+@functools.cache
+def torch_tables(device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The same tables as torch tensors on ``device`` (cached per device)."""
+    t = tables()
+    out = {name: torch.from_numpy(np.ascontiguousarray(getattr(t, name))).to(device)
+           for name in ("q", "score", "err2", "abserr", "byte_map", "exp", "mant")}
+    for lv, ix in t.members.items():
+        out[f"members{lv}"] = torch.from_numpy(ix).to(device)
+        out[f"split{lv}"] = torch.from_numpy(split_score(t.score[:, ix])).to(device)
+    return out
+
+
+def split_score(score: np.ndarray) -> np.ndarray:
+    """``[16, K]`` scores -> ``[16, 2K]`` float32 (high part | low part), each exact.
+
+    Scores are multiples of 2**-22 below 2**6; the high part keeps multiples of 2**-9
+    (< 2**15 units) and the low part the rest (< 2**13 units). A histogram (counts summing
+    to at most 32) times either part sums to under 2**24 units, so a float32 GEMM computes
+    both exactly in any order, and their float64 sum is the exact score.
+    """
+    hi = np.round(score * 2.0**9) / 2.0**9
+    lo = score - hi
+    assert np.all(np.abs(hi) * 2.0**9 < 2**15) and np.all(np.abs(lo) * 2.0**22 <= 2**13)
+    return np.concatenate([hi, lo], axis=1).astype(np.float32)

@@ -1,0 +1,186 @@
+"""Convert one shard: read, requantize, write — overlapped, with memory bounded by a few batches.
+
+A reader thread fills buffers ahead (pinned when a GPU computes), the calling thread
+requantizes, a writer thread appends to the output in layout order; each stage holds at
+most ``DEPTH`` batches, so memory does not grow with the shard.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from itertools import islice
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .errors import BadInput
+from .plan import PACKED, SCALE, SHAPE, Convert, Copy, ShardPlan
+from .quant.requant import STAT_FIELDS, Result
+from .validate import TensorFigures, figures, output_error
+
+DEPTH = 2
+COPY_PIECE = 64 << 20
+Requantizer = Callable[[torch.Tensor, torch.Tensor, list], Result]
+
+
+@dataclass
+class ShardResult:
+    name: str
+    sha256: str
+    bytes_out: int
+    seconds: float
+    figures: list[TensorFigures] = field(default_factory=list)
+
+
+@dataclass
+class _CopyPiece:
+    name: str
+    offset: int
+    size: int
+    data: np.ndarray | None = None
+
+
+@dataclass
+class _Batch:
+    items: list[Convert]
+    packed: torch.Tensor | None = None  # [G, 16] uint8, all items back to back
+    scales: torch.Tensor | None = None  # [G] uint8
+
+
+def _pread(fd: int, buf: np.ndarray, offset: int, path: str, name: str) -> None:
+    view = memoryview(buf).cast("B")
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise BadInput("unexpected end of file (truncated)", file=path, tensor=name)
+        view, offset = view[n:], offset + n
+
+
+def _units(sp: ShardPlan, batch_groups: int):
+    """The shard as a sequence of copy pieces and convert batches, in output order."""
+    batch: list[Convert] = []
+    size = 0
+    for it in sp.items:
+        if isinstance(it, Convert):
+            if batch and size + it.groups > batch_groups:
+                yield _Batch(batch)
+                batch, size = [], 0
+            batch.append(it)
+            size += it.groups
+            continue
+        if batch:
+            yield _Batch(batch)
+            batch, size = [], 0
+        info = it.info
+        for off in range(0, max(info.nbytes, 1), COPY_PIECE):
+            yield _CopyPiece(info.name, info.start + off, min(COPY_PIECE, info.nbytes - off))
+    if batch:
+        yield _Batch(batch)
+
+
+class ShardConverter:
+    """Converts shards with one requantizer (CPU reference or a GPU kernel) on ``device``."""
+
+    def __init__(self, requantize: Requantizer, device: str = "cpu", batch_groups: int = 1 << 21,
+                 sample: Callable[[Convert], bool] = lambda c: True):
+        self.requantize, self.device = requantize, torch.device(device)
+        self.batch_groups, self.sample = batch_groups, sample
+        self.pin = self.device.type == "cuda"
+
+    def _read(self, fd: int, path: str, unit):
+        if isinstance(unit, _CopyPiece):
+            unit.data = np.empty(unit.size, dtype=np.uint8)
+            _pread(fd, unit.data, unit.offset, path, unit.name)
+            return unit
+        groups = sum(c.groups for c in unit.items)
+        packed = torch.empty((groups, 16), dtype=torch.uint8, pin_memory=self.pin)
+        scales = torch.empty((groups,), dtype=torch.uint8, pin_memory=self.pin)
+        pn, sn, g = packed.numpy(), scales.numpy(), 0
+        for c in unit.items:
+            _pread(fd, pn[g:g + c.groups], c.packed.start, path, c.packed.name)
+            _pread(fd, sn[g:g + c.groups], c.scale.start, path, c.scale.name)
+            g += c.groups
+        unit.packed, unit.scales = packed, scales
+        return unit
+
+    def _compute(self, path: str, batch: _Batch) -> tuple[list[tuple[str, object]], list[TensorFigures]]:
+        offsets = np.cumsum([0] + [c.groups for c in batch.items]).tolist()
+        dev = self.device
+        packed = batch.packed.to(dev, non_blocking=True)
+        scales = batch.scales.to(dev, non_blocking=True)
+        res = self.requantize(packed, scales, offsets)
+        out_packed, out_scales = res.packed.cpu(), res.scales.cpu()
+        stats = res.stats.cpu().tolist()
+        pieces, figs = [], []
+        nan_col, oor_col = STAT_FIELDS.index("nan_scale"), STAT_FIELDS.index("out_of_range")
+        for i, c in enumerate(batch.items):
+            lo, hi = offsets[i], offsets[i + 1]
+            st = stats[i]
+            if st[nan_col]:
+                raise BadInput(f"{int(st[nan_col])} E8M0 scale byte(s) are 255 (NaN)", file=path, tensor=c.scale.name)
+            if st[oor_col]:
+                raise BadInput(f"{int(st[oor_col])} group(s) need an int4 scale outside bf16's normal range "
+                               "(E8M0 exponent too close to 0 or 254)", file=path, tensor=c.scale.name)
+            out_rel = None
+            if self.sample(c):
+                out_rel = output_error(
+                    packed[lo:hi].reshape(c.rows, c.cols // 2), scales[lo:hi].reshape(c.rows, c.cols // 32),
+                    res.packed[lo:hi].reshape(c.rows, -1).view(torch.int32),
+                    res.scales[lo:hi].reshape(c.rows, c.cols // 32))
+            nonfinite = 0  # scales are finite by construction: bad groups raise above
+            figs.append(figures(f"{c.module}.{PACKED}", c.layer, st[0], st[1], st[2], nonfinite, out_rel))
+            pieces += [
+                (f"{c.module}.{PACKED}", out_packed[lo:hi].numpy()),
+                (f"{c.module}.{SCALE}", out_scales[lo:hi].view(torch.uint8).numpy()),
+                (f"{c.module}.{SHAPE}", np.array([c.rows, c.cols], dtype="<i8")),
+            ]
+        return pieces, figs
+
+    def convert(self, sp: ShardPlan, dst_dir: str, progress: Callable[[int], None] = lambda n: None) -> ShardResult:
+        """Write ``dst_dir/<shard>``; on any error the partial file is removed."""
+        from .formats.safetensors_io import ShardWriter
+
+        t0 = time.perf_counter()
+        path = sp.header.path
+        writer = ShardWriter(os.path.join(dst_dir, sp.name), sp.layout)
+        progress(sp.header.data_start)  # progress counts source bytes: the header, then tensors
+        figs: list[TensorFigures] = []
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with ThreadPoolExecutor(1, "k3-read") as rd, ThreadPoolExecutor(1, "k3-write") as wr:
+                units = _units(sp, self.batch_groups)
+                reads: deque[Future] = deque(rd.submit(self._read, fd, path, u) for u in islice(units, DEPTH))
+                writes: deque[Future] = deque()
+                while reads:
+                    unit = reads.popleft().result()
+                    nxt = next(units, None)
+                    if nxt is not None:
+                        reads.append(rd.submit(self._read, fd, path, nxt))
+                    if isinstance(unit, _CopyPiece):
+                        pieces, nbytes = [(unit.name, unit.data)], unit.size
+                    else:
+                        pieces, f = self._compute(path, unit)
+                        figs += f
+                        nbytes = sum(c.packed.nbytes + c.scale.nbytes for c in unit.items)
+                    while len(writes) >= DEPTH:
+                        writes.popleft().result()
+                    writes.append(wr.submit(self._write_all, writer, pieces, progress, nbytes))
+                for w in writes:
+                    w.result()
+            sha = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            os.close(fd)
+        return ShardResult(sp.name, sha, sp.bytes_out, time.perf_counter() - t0, figs)
+
+    @staticmethod
+    def _write_all(writer, pieces, progress, nbytes: int) -> None:
+        for name, data in pieces:
+            writer.write(name, data)
+        progress(nbytes)

@@ -1,0 +1,116 @@
+"""The requantizer is exactly error-optimal: checked against brute force over every bf16 scale."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from converter.quant.requant import STAT_FIELDS, requantize
+from converter.quant.tables import E2M1_VALUES
+
+ALL_BF16_POSITIVE = torch.arange(0x0080, 0x7F80, dtype=torch.int32)  # every positive normal bf16
+
+
+def decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 groups -> float64 values [G, 32], written independently of converter.quant."""
+    codes = torch.stack((packed & 15, packed >> 4), dim=2).reshape(packed.shape[0], 32).long()
+    lut = torch.from_numpy(E2M1_VALUES)
+    return lut[codes] * torch.pow(2.0, scales.double() - 127)[:, None]
+
+
+def brute_force(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min squared error over every positive normal bf16 scale, and the largest scale reaching it."""
+    scales = (ALL_BF16_POSITIVE << 16).view(torch.float32).double()
+    best_err = torch.full((values.shape[0],), float("inf"), dtype=torch.float64)
+    best_scale = torch.zeros(values.shape[0], dtype=torch.float64)
+    for chunk in scales.split(2048):
+        q = torch.clamp(torch.round(values[:, None, :] / chunk[None, :, None]), -8, 7)
+        err = ((q * chunk[None, :, None] - values[:, None, :]) ** 2).sum(2)  # [G, S]
+        e, _ = err.min(1)
+        # the largest scale among the minima in this chunk (chunks ascend)
+        last = (err == e[:, None]).to(torch.int64).cumsum(1).argmax(1)
+        s = chunk[last]
+        better = e < best_err
+        tie = e == best_err
+        best_scale = torch.where(better | tie, s, best_scale)
+        best_err = torch.minimum(e, best_err)
+    return best_err, best_scale
+
+
+def int4_values(res_packed: torch.Tensor, res_scales: torch.Tensor) -> torch.Tensor:
+    q = torch.stack((res_packed & 15, res_packed >> 4), 2).reshape(res_packed.shape[0], 32).double() - 8
+    return q * res_scales.double()[:, None]
+
+
+def adversarial_groups(rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def group(codes, s):
+        codes = np.asarray(codes, dtype=np.uint8)
+        return codes[0::2] | (codes[1::2] << 4), s
+    cases = [
+        group([0] * 32, 127), group([8] * 32, 3),          # all zero (+0 and -0)
+        group([7] * 32, 127), group([15] * 32, 127),        # all +6, all -6
+        group([7] + [0] * 31, 127), group([15] + [1] * 31, 100),  # single outlier
+        group([6] + [9] * 31, 127), group([14] + [1] * 31, 127),  # +4 / -4 outliers
+        group(list(range(16)) * 2, 127),                     # every code
+        group([7, 15] * 16, 120), group([6, 7, 5] * 10 + [1, 9], 130),
+        group(rng.integers(0, 16, 32), 6), group(rng.integers(0, 16, 32), 7),   # tiny exponents
+        group(rng.integers(0, 16, 32), 252), group([1, 2, 3] * 10 + [4, 5], 253),  # huge exponents
+    ]
+    packed = torch.from_numpy(np.stack([c[0] for c in cases]))
+    scales = torch.tensor([c[1] for c in cases], dtype=torch.uint8)
+    return packed, scales
+
+
+def random_groups(rng: np.random.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform codes, and codes of quantized Student-t data (largest |value| 4 or 6)."""
+    uniform = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+    w = rng.standard_t(4, size=(n, 32))
+    e = np.floor(np.log2(np.abs(w).max(1, keepdims=True))) - 2
+    mag = np.abs(w) / 2.0**e
+    levels = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    code = np.abs(mag[..., None] - levels).argmin(-1) | ((w < 0) * 8)
+    student = (code[:, 0::2] | (code[:, 1::2] << 4)).astype(np.uint8)
+    packed = torch.from_numpy(np.concatenate([uniform, student]))
+    scales = torch.from_numpy(rng.integers(100, 140, 2 * n).astype(np.uint8))
+    return packed, scales
+
+
+@pytest.mark.parametrize("source", ["adversarial", "random"])
+def test_matches_brute_force_over_every_bf16_scale(source):
+    rng = np.random.default_rng(1234)
+    packed, scales = adversarial_groups(rng) if source == "adversarial" else random_groups(rng, 150)
+    res = requantize(packed, scales)
+    assert res.stats[0, STAT_FIELDS.index("nan_scale")] == 0
+    assert res.stats[0, STAT_FIELDS.index("out_of_range")] == 0
+    values = decode(packed, scales)
+    ours = ((int4_values(res.packed, res.scales) - values) ** 2).sum(1)
+    best_err, best_scale = brute_force(values)
+    nonzero = values.abs().amax(1) > 0
+    assert torch.equal(ours, best_err), (ours - best_err).abs().max()
+    # same scale as the brute force's tie rule (largest scale among the optima)
+    assert torch.equal(res.scales.double()[nonzero], best_scale[nonzero])
+    assert torch.all(res.scales.double()[~nonzero] == 0)
+    # figures agree with a direct computation
+    assert res.stats[0, 0].item() == pytest.approx(float(ours.sum()), rel=1e-12)
+    assert res.stats[0, 1].item() == pytest.approx(float((values**2).sum()), rel=1e-12)
+
+
+def test_bad_scales_are_counted_not_written():
+    packed = torch.full((4, 16), 0x77, dtype=torch.uint8)  # all +6: best m = 6
+    packed[1] = 0x11  # all +0.5: best m = 0.5
+    scales = torch.tensor([255, 0, 254, 127], dtype=torch.uint8)
+    res = requantize(packed, scales, [0, 1, 4])
+    assert res.stats[0, STAT_FIELDS.index("nan_scale")] == 1
+    # s=0: 2**-127 * 0.5 is subnormal; s=254: 2**127 * 6 overflows bf16
+    assert res.stats[1, STAT_FIELDS.index("out_of_range")] == 2
+    assert torch.isfinite(res.scales.float()).all()
+
+
+def test_deterministic_and_chunk_independent(monkeypatch):
+    rng = np.random.default_rng(7)
+    packed, scales = random_groups(rng, 3000)
+    a = requantize(packed, scales)
+    import converter.quant.requant as r
+    monkeypatch.setattr(r, "CHUNK_GROUPS", 257)
+    b = r.requantize(packed, scales, [0, 1000, 6000])
+    assert torch.equal(a.packed, b.packed) and torch.equal(a.scales.view(torch.int16), b.scales.view(torch.int16))
