@@ -37,7 +37,7 @@ class Options:
     devices: list[str] | None = None  # None: every visible GPU, else CPU
     workers: int = 1             # CPU processes when converting on the CPU
     overwrite: bool = False
-    batch_groups: int = 1 << 21  # groups per requantize call (32 MiB of packed input)
+    batch_groups: int | None = None  # groups per requantize call [default: 2**18 CPU, 2**21 GPU]
     shards: list[str] | None = None   # convert only these (batch jobs); None: all
 
     def identity(self) -> dict[str, Any]:
@@ -78,7 +78,7 @@ def resolve_devices(options: Options) -> list[str]:
 def requantizer(device: str):
     """The CPU reference or the Triton kernel; both give the same bytes."""
     if device.startswith("cpu"):
-        from .quant.requant import requantize
+        from .quant.cpu_kernel import requantize
         return requantize
     from .kernels.triton_requant import requantize
     return requantize
@@ -152,6 +152,7 @@ def _worker(src: str, dst: str, device: str, quant, act, sample_cfg, batch_group
         conv_fn = requantizer(device)
         from .shard import ShardConverter
         stride, per_layer = sample_cfg
+        batch_groups = batch_groups or (1 << 18 if device.startswith("cpu") else 1 << 21)
         conv = ShardConverter(conv_fn, device, batch_groups,
                               lambda c: c.expert is None or (per_layer > 0 and c.expert % stride == 0))
         while True:
@@ -292,6 +293,10 @@ def _finish(plan: Plan, dst: str, manifest: dict, options: Options, t0: float, s
     all_done = len(done) == len(plan.shards)
     if not all_done:  # a batch job's part: another run (or `k3convert finalize`) completes DST
         return summary
+    # shards finished by earlier runs were never checked against this run's --max-rel-rmse
+    over = status == "complete" and summary.worst is not None and summary.worst["rel_rmse"] > options.max_rel_rmse
+    if over:
+        status = "failed-validation"
     for rel in plan.other_files:
         os.makedirs(os.path.dirname(os.path.join(dst, rel)) or dst, exist_ok=True)
         shutil.copyfile(os.path.join(plan.src, rel), os.path.join(dst, rel))
@@ -311,5 +316,9 @@ def _finish(plan: Plan, dst: str, manifest: dict, options: Options, t0: float, s
     manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_json(os.path.join(dst, MANIFEST), manifest)
     summary.complete = manifest["complete"]
+    if over:
+        w = summary.worst
+        raise ThresholdExceeded(f"relative RMSE {w['rel_rmse']:.4f} exceeds --max-rel-rmse {options.max_rel_rmse}",
+                                file=os.path.join(dst, plan.weight_map()[w["tensor"]]), tensor=w["tensor"])
     return summary
 

@@ -20,7 +20,8 @@ import torch
 from .errors import BadInput
 from .plan import PACKED, SCALE, SHAPE, Convert, Copy, ShardPlan
 from .quant.requant import STAT_FIELDS, Result
-from .validate import TensorFigures, figures, output_error
+from .quant.cpu_kernel import output_error as cpu_output_error
+from .validate import TensorFigures, figures, output_error, probe
 
 DEPTH = 2
 COPY_PIECE = 64 << 20
@@ -85,7 +86,7 @@ def _units(sp: ShardPlan, batch_groups: int):
 class ShardConverter:
     """Converts shards with one requantizer (CPU reference or a GPU kernel) on ``device``."""
 
-    def __init__(self, requantize: Requantizer, device: str = "cpu", batch_groups: int = 1 << 21,
+    def __init__(self, requantize: Requantizer, device: str = "cpu", batch_groups: int = 1 << 18,
                  sample: Callable[[Convert], bool] = lambda c: True):
         self.requantize, self.device = requantize, torch.device(device)
         self.batch_groups, self.sample = batch_groups, sample
@@ -126,7 +127,10 @@ class ShardConverter:
                 raise BadInput(f"{int(st[oor_col])} group(s) need an int4 scale outside bf16's normal range "
                                "(E8M0 exponent too close to 0 or 254)", file=path, tensor=c.scale.name)
             out_rel = None
-            if self.sample(c):
+            if self.sample(c) and dev.type == "cpu":
+                out_rel = cpu_output_error(batch.packed[lo:hi], batch.scales[lo:hi], out_packed[lo:hi],
+                                           out_scales[lo:hi], c.cols, probe(c.cols))
+            elif self.sample(c):
                 out_rel = output_error(
                     packed[lo:hi].reshape(c.rows, c.cols // 2), scales[lo:hi].reshape(c.rows, c.cols // 32),
                     res.packed[lo:hi].reshape(c.rows, -1).view(torch.int32),

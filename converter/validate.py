@@ -33,23 +33,23 @@ def figures(name: str, layer: int | None, err2: float, ref2: float, max_abs: flo
 _PROBES: dict[tuple[int, str], torch.Tensor] = {}
 
 
-def probe(cols: int, device: torch.device | str) -> torch.Tensor:
+def probe(cols: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The fixed random input x for output errors: the same for a given width on every run."""
     key = (cols, str(device))
     if key not in _PROBES:
-        x = torch.randn(cols, 8, generator=torch.Generator().manual_seed(cols))
+        x = torch.randn(cols, generator=torch.Generator().manual_seed(cols))
         _PROBES[key] = x.to(device)
     return _PROBES[key]
 
 
 def output_error(packed: torch.Tensor, scales: torch.Tensor, words: torch.Tensor, int4_scales: torch.Tensor) -> float:
-    """||(W_int4 - W) x|| / ||W x|| for the fixed probe x, on the tensors' device."""
+    """||(W_int4 - W) x|| / ||W x|| for the fixed probe x, decoding on the tensors' device (GPU)."""
     w = mxfp4.decode(packed, scales)
-    wq = int4.decode(words, int4_scales)
     x = probe(w.shape[1], w.device)
     ref = w @ x
+    err = int4.decode(words, int4_scales) @ x - ref
     den = float(torch.linalg.vector_norm(ref))
-    return float(torch.linalg.vector_norm(wq @ x - ref)) / den if den > 0 else 0.0
+    return float(torch.linalg.vector_norm(err)) / den if den > 0 else 0.0
 
 
 def layer_summary(rows: list[TensorFigures]) -> list[dict]:

@@ -95,6 +95,23 @@ def torch_tables(device: str = "cpu") -> dict[str, torch.Tensor]:
     return out
 
 
+def class_int_scores(score: np.ndarray, level: int) -> np.ndarray:
+    """A class's ``[16, K]`` scores as exact int32 (codes above ``level`` zeroed).
+
+    Within a class the scores are multiples of a power of two ``u`` with
+    ``32 * max|score| / u < 2**31``, so integer sums over a block's codes (counts <= 32)
+    rank candidates exactly as the true errors do, ties included.
+    """
+    allowed = np.array([(c & 7) <= level for c in range(16)])
+    s = np.where(allowed[:, None], score, 0.0)
+    for e in range(0, 40):
+        scaled = s * 2.0**e
+        if np.all(scaled == np.round(scaled)):
+            break
+    assert 32 * np.abs(scaled).max() < 2**31, "class scores do not fit int32"
+    return scaled.astype(np.int32)
+
+
 def split_score(score: np.ndarray) -> np.ndarray:
     """``[16, K]`` scores -> ``[16, 2K]`` float32 (high part | low part), each exact.
 
