@@ -64,17 +64,35 @@ def main() -> None:
 @click.option("--sample-experts", type=int, default=4, show_default=True,
               help="Experts per layer whose output error ||(Wq-W)x||/||Wx|| is measured.")
 @click.option("--overwrite", is_flag=True, help="Replace a DST that holds a different conversion.")
-@click.option("--progress", type=click.Choice(["bar", "json", "none"]), default="bar", show_default=True)
-def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, sample_experts, overwrite, progress) -> None:
-    """Convert the MXFP4 checkpoint SRC into an int4 checkpoint a server loads directly."""
-    from .pipeline import Options, convert
+@click.option("--shards", "shard_spec", default=None, help="Only these shards, 1-based in name order: 3,5-9.")
+@click.option("--part", default=None, help="Only part i of n (round robin over shards): for job arrays, e.g. 2/8.")
+@click.option("--dry-run", is_flag=True, help="Check everything, print the plan, convert nothing.")
+@click.option("--progress", type=click.Choice(["bar", "json", "none"]), default="bar", show_default=True,
+              help="json: one JSON line per event on stderr, for schedulers and log collectors.")
+def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, sample_experts, overwrite, shard_spec, part,
+                  dry_run, progress) -> None:
+    """Convert the MXFP4 checkpoint SRC into an int4 checkpoint a server loads directly.
+
+    Exit codes: 0 done, 2 bad input, 3 error threshold exceeded, 4 output/IO problem
+    (DST not usable, locked, disk full), 130 interrupted (run again to resume), 1 other.
+    """
+    from .pipeline import Options, convert, default_dst, describe, select_shards
+    from .plan import build_plan
     from .validate import format_table
 
     opts = Options(max_rel_rmse=max_rel_rmse, sample_experts=sample_experts, workers=workers,
                    devices=devices.split(",") if devices else None, overwrite=overwrite)
     bar = _Progress(progress)
     try:
-        summary = convert(src, dst, opts, bar)
+        plan = build_plan(src)
+        if shard_spec or part:
+            opts.shards = select_shards([s.name for s in plan.shards], shard_spec, part)
+        if dry_run:
+            info = describe(plan, dst or default_dst(plan.src), opts)
+            click.echo(json.dumps(info, indent=2) if progress == "json" else "\n".join(
+                f"{k:>20}: {v}" for k, v in info.items()))
+            return
+        summary = convert(src, dst, opts, bar, plan=plan)
     except ConvertError as e:
         bar.close()
         _fail(e)
@@ -89,9 +107,26 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, sample_experts, over
         return
     click.echo(format_table(summary.layers))
     rate = summary.bytes_in / summary.seconds / 1e9 if summary.seconds else 0
-    state = "complete" if summary.complete else f"{summary.shards_done}/{summary.shards_total} shards (partial)"
+    state = "complete" if summary.complete else \
+        f"{summary.shards_done}/{summary.shards_total} shards done (the run that converts the last one completes DST)"
     click.echo(f"{state}: {summary.tensors} tensors in {summary.seconds:.1f} s ({rate:.2f} GB/s) -> {summary.dst}")
-    click.echo(f"report: {os.path.join(summary.dst, 'k3convert_report.json')}")
+    if summary.status != "partial":
+        click.echo(f"report: {os.path.join(summary.dst, 'k3convert_report.json')}")
+
+
+@main.command()
+@click.argument("dst", type=click.Path(exists=True, file_okay=False))
+def finalize(dst) -> None:
+    """Write index, config, report and manifest once every shard of DST is converted (job arrays)."""
+    from .pipeline import finalize as finalize_dst
+
+    try:
+        summary = finalize_dst(dst)
+    except ConvertError as e:
+        _fail(e)
+    click.echo(f"{summary.status}: {summary.shards_done}/{summary.shards_total} shards -> {dst}")
+    if not summary.complete:
+        sys.exit(4 if summary.status == "partial" else 3)
 
 
 @main.command("make-fixture")
@@ -125,6 +160,74 @@ def demo(ctx, workdir) -> None:
     ctx.invoke(mxfp4_to_int4, src=src, dst=os.path.join(workdir, "kimi-k3-fixture-int4"), max_rel_rmse=0.15,
                devices=None, workers=1, sample_experts=4, overwrite=True, progress="bar")
 
+
+
+@main.command("verify")
+@click.argument("dst", type=click.Path())
+@click.option("--source", "src", type=click.Path(), default=None,
+              help="The MXFP4 source: re-decode sampled experts from its bytes and compare with the recorded figures.")
+@click.option("--sample", type=int, default=8, show_default=True, help="Converted tensors to re-decode (with --source).")
+@click.option("--all", "all_", is_flag=True, help="Re-decode every converted tensor (with --source; slow on the real model).")
+@click.option("--no-checksums", is_flag=True, help="Skip hashing the shards (structure checks only).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def verify_cmd(dst, src, sample, all_, no_checksums, as_json) -> None:
+    """Check a converted DST: checksums, structure, SiTU metadata, and (with --source) the numbers.
+
+    Exit 0 when every check passes, 5 when one fails, 2 when DST or SRC cannot be read."""
+    from .verify import verify
+
+    try:
+        result = verify(dst, src, None if all_ else sample, checksums=not no_checksums)
+    except ConvertError as e:
+        _fail(e)
+    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.format())
+    sys.exit(0 if result.ok else 5)
+
+
+@main.command("inspect")
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
+def inspect_cmd(path, as_json) -> None:
+    """Describe a checkpoint (MXFP4 source, k3convert output, or other) or one shard: format,
+    shards, tensors, quantization configs, SiTU fields, and for a source what converting gives."""
+    from .inspect import format_info, inspect_path
+
+    try:
+        info = inspect_path(path)
+    except ConvertError as e:
+        _fail(e)
+    click.echo(json.dumps(info, indent=2, default=str) if as_json else format_info(info))
+
+
+@main.command("upload")
+@click.argument("dst", type=click.Path())
+@click.argument("repo_id")
+@click.option("--private", is_flag=True, help="Create the repository private (an existing one keeps its visibility).")
+@click.option("--revision", default=None, help="Branch to upload to (created if missing) [default: main].")
+@click.option("--dry-run", is_flag=True, help="List the files and bytes that would be sent; no network, no writes.")
+@click.option("--token", default=None, help="Hub token [default: the one saved by `hf auth login` / HF_TOKEN].")
+@click.option("--verify-checksums", is_flag=True, help="Also re-hash every shard against the manifest first.")
+@click.option("--base-model", default=None, help="Base model named in the model card [default: from the source].")
+def upload_cmd(dst, repo_id, private, revision, dry_run, token, verify_checksums, base_model) -> None:
+    """Upload a complete, verified DST to the Hub as REPO_ID, with a model card (README.md) if it has none.
+
+    Resumable: run the same command again after an interruption."""
+    from .hub import upload
+
+    try:
+        res = upload(dst, repo_id, private=private, revision=revision, dry_run=dry_run, token=token,
+                     verify_checksums=verify_checksums, base=base_model)
+    except ConvertError as e:
+        _fail(e)
+    if dry_run:
+        for path, size in res.files:
+            click.echo(f"{size:>16,d}  {path}")
+    click.echo(f"README.md: {res.readme}")
+    verb = "would upload" if dry_run else f"uploaded with HfApi.{res.method}"
+    click.echo(f"{verb} {len(res.files)} files, {res.total_bytes / 1e9:.3f} GB -> {repo_id}"
+               + (f" (revision {revision})" if revision else ""))
+    for note in res.notes:
+        click.echo(f"note: {note}")
 
 if __name__ == "__main__":
     main()

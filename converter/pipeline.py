@@ -1,15 +1,20 @@
 """A whole conversion: preflight, DST checks, shards across devices, then index/config/report.
 
-Shards go to one worker per device (GPU) or ``workers`` CPU processes from a shared queue,
-largest first. The parent alone writes the manifest, after each finished shard, so a run
-that is killed resumes from there; index, config and report come last.
+State lives in DST/.k3convert: ``run.json`` (what is being converted: source fingerprints and
+options), and per finished shard a record and a figure table. The manifest, index, config
+and report are derived from those; the run that finishes the last shard (or ``finalize``)
+writes them, the manifest last. Shards go to one worker per GPU, or ``workers`` CPU
+processes, from a shared queue, largest first; several runs (batch jobs) may share a DST
+as long as their shard selections are disjoint: each run locks the shards it converts.
 """
 from __future__ import annotations
 
+import fcntl
 import multiprocessing as mp
 import os
 import queue
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,9 +24,9 @@ import torch
 from . import __version__
 from .errors import BadInput, ConvertError, Interrupted, OutputError, ThresholdExceeded
 from .formats import checkpoint as ckpt
-from .manifest import (MANIFEST, STATE_DIR, Lock, file_fingerprint, read_json, read_rows,
-                       write_json, write_rows)
-from .plan import Plan, build_plan, shard_plan
+from .manifest import (MANIFEST, STATE_DIR, file_fingerprint, read_json, read_rows, write_json,
+                       write_rows)
+from .plan import Plan, ShardPlan, build_plan, shard_plan
 from .validate import TensorFigures, layer_summary
 
 REPORT = "k3convert_report.json"
@@ -32,16 +37,16 @@ TARGET_FORMAT = "compressed-tensors pack-quantized int4 group 32 symmetric, bf16
 
 @dataclass
 class Options:
-    max_rel_rmse: float = 0.15   # optimal requantization of MXFP4 gives ~0.09 on real-like data
+    max_rel_rmse: float = 0.15   # optimal requantization of MXFP4 gives ~0.1 on real-like data
     sample_experts: int = 4      # experts per layer whose output error y = W x is measured
     devices: list[str] | None = None  # None: every visible GPU, else CPU
     workers: int = 1             # CPU processes when converting on the CPU
     overwrite: bool = False
-    batch_groups: int | None = None  # groups per requantize call [default: 2**18 CPU, 2**21 GPU]
+    batch_groups: int | None = None   # groups per requantize call [default: 2**18 CPU, 2**21 GPU]
     shards: list[str] | None = None   # convert only these (batch jobs); None: all
 
     def identity(self) -> dict[str, Any]:
-        """What must match for a resumed run to continue a previous one."""
+        """What must match for a run to continue (or share) a previous one's DST."""
         return {"version": __version__, "sample_experts": self.sample_experts}
 
 
@@ -56,6 +61,7 @@ class Summary:
     bytes_out: int
     layers: list[dict] = field(default_factory=list)
     complete: bool = False
+    status: str = "partial"
     worst: dict | None = None
 
 
@@ -63,8 +69,7 @@ Event = Callable[[str, dict], None]  # (kind, fields): progress for bars and JSO
 
 
 def default_dst(src: str) -> str:
-    src = os.path.abspath(src).rstrip(os.sep)
-    return f"{src}-int4"
+    return os.path.abspath(src).rstrip(os.sep) + "-int4"
 
 
 def resolve_devices(options: Options) -> list[str]:
@@ -76,7 +81,7 @@ def resolve_devices(options: Options) -> list[str]:
 
 
 def requantizer(device: str):
-    """The CPU reference or the Triton kernel; both give the same bytes."""
+    """The numba CPU kernel or the Triton GPU kernel; both give the reference's bytes."""
     if device.startswith("cpu"):
         from .quant.cpu_kernel import requantize
         return requantize
@@ -84,241 +89,354 @@ def requantizer(device: str):
     return requantize
 
 
+def select_shards(names: list[str], spec: str | None = None, part: str | None = None) -> list[str]:
+    """``--shards 3,5-9`` (1-based, in file-name order) and/or ``--part i/n`` (round robin)."""
+    chosen = list(names)
+    if spec:
+        idx: set[int] = set()
+        for tok in spec.split(","):
+            a, _, b = tok.strip().partition("-")
+            try:
+                lo, hi = int(a), int(b or a)
+            except ValueError:
+                raise BadInput(f"--shards: {tok!r} is not N or N-M") from None
+            if not 1 <= lo <= hi <= len(names):
+                raise BadInput(f"--shards: {tok!r} is outside 1-{len(names)}")
+            idx.update(range(lo, hi + 1))
+        chosen = [n for i, n in enumerate(names, 1) if i in idx]
+    if part:
+        try:
+            i, n = (int(x) for x in part.split("/"))
+        except ValueError:
+            raise BadInput(f"--part: {part!r} is not i/n") from None
+        if not 1 <= i <= n:
+            raise BadInput(f"--part: {part!r} needs 1 <= i <= n")
+        chosen = [c for c in chosen if names.index(c) % n == i - 1]
+    return chosen
+
+
 def _inside(a: str, b: str) -> bool:
     a, b = os.path.realpath(a), os.path.realpath(b)
     return a == b or a.startswith(b + os.sep)
 
 
-def source_identity(plan: Plan) -> dict[str, Any]:
+def _state(dst: str, *parts: str) -> str:
+    return os.path.join(dst, STATE_DIR, *parts)
+
+
+def run_identity(plan: Plan, options: Options) -> dict[str, Any]:
     return {
-        "path": plan.src,
+        "tool": "k3convert", "options": options.identity(), "source": plan.src,
         "config": file_fingerprint(os.path.join(plan.src, "config.json")),
         "shards": {s.name: file_fingerprint(s.header.path) for s in plan.shards},
     }
 
 
-def prepare_dst(plan: Plan, dst: str, options: Options) -> dict:
-    """Check DST and return the manifest to continue (new, or a previous run's)."""
+def prepare_dst(plan: Plan, dst: str, options: Options) -> None:
+    """Create DST, or check that it continues this very conversion (else refuse/replace)."""
     if _inside(dst, plan.src) or _inside(plan.src, dst):
         raise OutputError(f"DST and SRC ({plan.src}) must not contain each other", file=dst)
-    fresh = {
-        "tool": "k3convert", "version": __version__, "status": "converting", "complete": False,
-        "source_format": SOURCE_FORMAT, "target_format": TARGET_FORMAT,
-        "activation": plan.activation, "options": options.identity(),
-        "source": source_identity(plan), "shards": {},
-    }
-    if not os.path.exists(dst):
-        os.makedirs(dst)
-        return fresh
-    if not os.path.isdir(dst) or not os.access(dst, os.W_OK):
-        raise OutputError("is not a writable directory", file=dst)
-    old = read_json(os.path.join(dst, MANIFEST))
-    if old is None:
-        if [f for f in os.listdir(dst) if f != STATE_DIR]:
-            raise OutputError("exists, is not empty and holds no k3convert manifest: choose a new directory", file=dst)
-        return fresh
-    same = old.get("source", {}).get("path") == plan.src and old.get("options") == options.identity() \
-        and old.get("source", {}).get("config") == fresh["source"]["config"]
-    if same:
-        changed = [n for n, fp in old["source"]["shards"].items() if fresh["source"]["shards"].get(n) != fp]
-        same = not changed
-    if same and not options.overwrite:
-        fresh["shards"] = {n: r for n, r in old.get("shards", {}).items()}
-        return fresh
-    if not options.overwrite:
-        raise OutputError("holds a different conversion (other source, changed source files or other options): "
-                          "use --overwrite to replace it", file=dst)
-    for name in os.listdir(dst):
-        p = os.path.join(dst, name)
-        if name != STATE_DIR:
-            shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
-    return fresh
+    ident = run_identity(plan, options)
+    if os.path.exists(dst):
+        if not os.path.isdir(dst) or not os.access(dst, os.W_OK | os.X_OK):
+            raise OutputError("is not a writable directory", file=dst)
+        old = read_json(_state(dst, "run.json"))
+        if old is None and [f for f in os.listdir(dst) if f != STATE_DIR]:
+            raise OutputError("exists, is not empty and holds no k3convert state: choose a new directory", file=dst)
+        if old is not None and old != ident:
+            if not options.overwrite:
+                what = "source files changed" if old.get("source") == plan.src else "another source or options"
+                raise OutputError(f"holds a different conversion ({what}): use --overwrite to replace it", file=dst)
+            for name in os.listdir(dst):
+                p = os.path.join(dst, name)
+                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+    try:
+        os.makedirs(_state(dst), exist_ok=True)
+        if read_json(_state(dst, "run.json")) is None:
+            write_json(_state(dst, "run.json"), ident)
+    except OSError as e:
+        raise OutputError(f"cannot write: {e.strerror}", file=dst) from None
 
 
 def check_space(dst: str, need: int) -> None:
     free = shutil.disk_usage(dst).free
     margin = max(1 << 30, need // 50)
     if free < need + margin:
-        raise OutputError(f"needs {need / 1e9:.1f} GB (+{margin / 1e9:.1f} GB margin) but has {free / 1e9:.1f} GB free",
-                          file=dst)
+        raise OutputError(f"needs {need / 1e9:.1f} GB (+{margin / 1e9:.1f} GB margin) but has "
+                          f"{free / 1e9:.1f} GB free", file=dst)
 
 
-def _worker(src: str, dst: str, device: str, quant, act, sample_cfg, batch_groups: int,
-            tasks: "mp.Queue", events: "mp.Queue") -> None:
-    """One process per device: take shard names until the queue is empty."""
+def shard_record(dst: str, name: str) -> dict | None:
+    """A finished shard's record, if its output is still the file that was written."""
+    rec = read_json(_state(dst, name + ".done.json"))
+    path = os.path.join(dst, name)
+    if rec is None or not os.path.exists(path) or file_fingerprint(path) != rec["output"]:
+        return None
+    return rec
+
+
+class _Locks:
+    """Exclusive flocks on the shards this run converts: a second run on them is refused."""
+
+    def __init__(self, dst: str, names: list[str]):
+        self.files = []
+        try:
+            for n in names:
+                f = open(_state(dst, n + ".lock"), "a+")
+                self.files.append(f)
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise OutputError("another k3convert run is converting it", file=os.path.join(dst, n)) from None
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        for f in self.files:
+            f.close()  # closing drops the flock
+        self.files = []
+
+
+def _worker(src: str, dst: str, device: str, quant, act, sample: tuple[int, int],
+            batch_groups: int | None, tasks, events) -> None:
+    """Convert shard names from ``tasks`` until it is empty, reporting through ``events``."""
+    from .shard import ShardConverter
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    stride, per_layer = sample
+    conv = ShardConverter(requantizer(device), device,
+                          batch_groups or (1 << 18 if device.startswith("cpu") else 1 << 21),
+                          lambda c: c.expert is None or (per_layer > 0 and c.expert % stride == 0))
+    while True:
+        try:
+            name = tasks.get_nowait()
+        except queue.Empty:
+            return
+        events.put(("start", {"shard": name, "device": device}))
+        try:
+            sp = shard_plan(src, name, quant, act, [])
+            res = conv.convert(sp, dst, lambda n: events.put(("bytes", {"n": n})))
+        except ConvertError as e:
+            events.put(("error", {"shard": name, "message": str(e), "code": e.exit_code}))
+            return
+        except OSError as e:
+            events.put(("error", {"shard": name, "code": 4,
+                                  "message": f"file {e.filename or os.path.join(dst, name)}: {e.strerror}"}))
+            return
+        events.put(("done", {"shard": name, "sha256": res.sha256, "bytes": res.bytes_out,
+                             "seconds": res.seconds, "figures": [f.row() for f in res.figures]}))
+
+
+def _worker_process(threads: int | None, *args) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it terminates us
+    if threads:
+        torch.set_num_threads(threads)
+        try:
+            import numba
+            numba.set_num_threads(threads)
+        except ImportError:
+            pass
     try:
-        if device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(device))
-        conv_fn = requantizer(device)
-        from .shard import ShardConverter
-        stride, per_layer = sample_cfg
-        batch_groups = batch_groups or (1 << 18 if device.startswith("cpu") else 1 << 21)
-        conv = ShardConverter(conv_fn, device, batch_groups,
-                              lambda c: c.expert is None or (per_layer > 0 and c.expert % stride == 0))
-        while True:
-            try:
-                name = tasks.get_nowait()
-            except queue.Empty:
-                return
-            events.put(("start", {"shard": name, "device": device}))
-            try:
-                sp = shard_plan(src, name, quant, act, [])
-                res = conv.convert(sp, dst, lambda n: events.put(("bytes", {"n": n})))
-            except ConvertError as e:
-                events.put(("error", {"shard": name, "message": str(e), "code": e.exit_code}))
-                return
-            events.put(("done", {"shard": name, "sha256": res.sha256, "bytes": res.bytes_out,
-                                 "seconds": res.seconds, "figures": [f.row() for f in res.figures]}))
-    except KeyboardInterrupt:
-        return
-    except BaseException as e:  # anything else: report it with the device, let the parent stop the run
-        events.put(("error", {"shard": None, "message": f"worker on {device} failed: {e!r}", "code": 1}))
+        _worker(*args)
+    except BaseException as e:  # report anything, naming the device; the parent stops the run
+        args[-1].put(("error", {"shard": None, "message": f"worker on {args[2]} failed: {e!r}", "code": 1}))
 
 
 def convert(src: str, dst: str | None = None, options: Options | None = None,
             on_event: Event = lambda kind, f: None, plan: Plan | None = None) -> Summary:
     """Convert SRC into DST (library entry point; the CLI is a thin layer over this)."""
+    t0 = time.perf_counter()
     options = options or Options()
     plan = plan or build_plan(src)
     dst = os.path.abspath(dst or default_dst(plan.src))
-    manifest = prepare_dst(plan, dst, options)
-    with Lock(dst):
-        return _run(plan, dst, options, manifest, on_event)
-
-
-def _run(plan: Plan, dst: str, options: Options, manifest: dict, on_event: Event) -> Summary:
-    t0 = time.perf_counter()
-    state = os.path.join(dst, STATE_DIR)
+    prepare_dst(plan, dst, options)
     for f in os.listdir(dst):  # leftovers of a killed run never look complete; drop them
         if f.endswith(".partial"):
             os.unlink(os.path.join(dst, f))
     selected = [s for s in plan.shards if options.shards is None or s.name in options.shards]
-    todo = [s for s in selected if not _shard_done(dst, s.name, manifest)]
+    todo = [s for s in selected if shard_record(dst, s.name) is None]
     check_space(dst, sum(s.bytes_out for s in todo))
-    write_json(os.path.join(dst, MANIFEST), manifest)
-    devices = resolve_devices(options)
-    total_in = sum(s.bytes_in for s in todo)
-    on_event("plan", {"shards": len(selected), "todo": len(todo), "bytes_in": total_in,
-                      "bytes_out": sum(s.bytes_out for s in todo), "devices": devices})
-    experts = 1 + max((c.expert or 0) for s in plan.shards for c in s.converts)
-    stride = max(1, experts // max(1, options.sample_experts))
-    ctx = mp.get_context("spawn")
-    tasks, events = ctx.Queue(), ctx.Queue()
-    for s in sorted(todo, key=lambda s: -s.bytes_in):
-        tasks.put(s.name)
-    procs = []
-    threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" else None
+    locks = _Locks(dst, [s.name for s in todo])
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        if todo:
-            procs = [ctx.Process(target=_worker_entry, daemon=True, args=(
-                plan.src, dst, d, plan.quant, plan.activation, (stride, options.sample_experts),
-                options.batch_groups, tasks, events, threads)) for d in devices[:len(todo)]]
-            for p in procs:
-                p.start()
-        remaining = {s.name for s in todo}
-        while remaining:
-            try:
-                kind, f = events.get(timeout=1.0)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs):
-                    raise ConvertError(f"workers exited with {len(remaining)} shard(s) unconverted: "
-                                       f"{sorted(remaining)[0]} ...")
-                continue
-            if kind == "error":
-                on_event("error", f)
-                code = f.get("code", 1)
-                cls = {2: BadInput, 4: OutputError}.get(code, ConvertError)
-                raise cls(f["message"])
-            if kind == "done":
-                _record_shard(dst, state, manifest, f)
-                remaining.discard(f["shard"])
-                worst = max((r["rel_rmse"] for r in f["figures"]), default=0.0)
-                on_event("done", {"shard": f["shard"], "seconds": f["seconds"], "rel_rmse_worst": worst})
-                if worst > options.max_rel_rmse:
-                    bad = max(f["figures"], key=lambda r: r["rel_rmse"])
-                    _finish(plan, dst, manifest, options, t0, status="failed-validation")
-                    raise ThresholdExceeded(f"relative RMSE {bad['rel_rmse']:.4f} exceeds --max-rel-rmse "
-                                            f"{options.max_rel_rmse}", file=os.path.join(dst, f["shard"]),
-                                            tensor=bad["name"])
-            else:
-                on_event(kind, f)
+        _convert_shards(plan, dst, options, todo, len(selected), on_event)
     except KeyboardInterrupt:
         raise Interrupted("interrupted: finished shards are kept; run the same command to resume") from None
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        locks.release()
+    summary = finalize(dst, plan, options)
+    summary.seconds = time.perf_counter() - t0
+    summary.bytes_in = sum(s.bytes_in for s in todo)
+    return summary
+
+
+def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
+    """What a run would do (``--dry-run``): nothing is written."""
+    dst = os.path.abspath(dst)
+    selected = [s for s in plan.shards if options.shards is None or s.name in options.shards]
+    done = [s.name for s in selected if os.path.isdir(dst) and shard_record(dst, s.name)]
+    todo = [s for s in selected if s.name not in done]
+    probe = dst
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return {
+        "source": plan.src, "dst": dst, "devices": resolve_devices(options),
+        "shards": len(selected), "shards_done": len(done), "shards_todo": len(todo),
+        "tensors_to_convert": sum(len(s.converts) for s in todo),
+        "tensors_copied": sum(len(s.items) - len(s.converts) for s in todo),
+        "bytes_in": sum(s.bytes_in for s in todo), "bytes_out": sum(s.bytes_out for s in todo),
+        "free_bytes_at_dst": shutil.disk_usage(probe).free, "activation": plan.activation,
+    }
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _convert_shards(plan: Plan, dst: str, options: Options, todo: list[ShardPlan], n_selected: int,
+                    on_event: Event) -> None:
+    devices = resolve_devices(options)[: max(1, len(todo))]
+    on_event("plan", {"shards": n_selected, "todo": len(todo), "bytes_in": sum(s.bytes_in for s in todo),
+                      "bytes_out": sum(s.bytes_out for s in todo), "devices": devices})
+    if not todo:
+        return
+    experts = 1 + max((c.expert or 0) for s in plan.shards for c in s.converts)
+    sample = (max(1, experts // max(1, options.sample_experts)), options.sample_experts)
+    ordered = [s.name for s in sorted(todo, key=lambda s: -s.bytes_in)]
+    if len(devices) == 1:  # in-process: no start-up cost, same events
+        tasks: queue.Queue = queue.Queue()
+        for n in ordered:
+            tasks.put(n)
+        _worker(plan.src, dst, devices[0], plan.quant, plan.activation, sample, options.batch_groups,
+                tasks, _Inline(dst, plan, options, on_event))
+        return
+    ctx = mp.get_context("spawn")
+    tasks, events = ctx.Queue(), ctx.Queue()
+    for n in ordered:
+        tasks.put(n)
+    threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" else None
+    procs = [ctx.Process(target=_worker_process, daemon=True, args=(
+        threads, plan.src, dst, d, plan.quant, plan.activation, sample, options.batch_groups, tasks, events))
+        for d in devices]
+    for p in procs:
+        p.start()
+    try:
+        _collect(events, set(ordered), procs, dst, plan, options, on_event)
     finally:
         for p in procs:
             if p.is_alive():
                 p.terminate()
         for p in procs:
             p.join(timeout=10)
-    return _finish(plan, dst, manifest, options, t0)
 
 
-def _worker_entry(src, dst, device, quant, act, sample_cfg, batch_groups, tasks, events, threads) -> None:
-    if threads:
-        torch.set_num_threads(threads)
-    _worker(src, dst, device, quant, act, sample_cfg, batch_groups, tasks, events)
+class _Inline:
+    """The event queue of an in-process worker: each event is handled as it is put."""
+
+    def __init__(self, dst: str, plan: Plan, options: Options, on_event: Event):
+        self.args = (dst, plan, options, on_event)
+
+    def put(self, item: tuple[str, dict]) -> None:
+        _handle(item[0], item[1], *self.args)
 
 
-def _shard_done(dst: str, name: str, manifest: dict) -> bool:
-    """A shard counts as done if the manifest has it and its file is there with that size."""
-    rec = manifest["shards"].get(name)
-    path = os.path.join(dst, name)
-    return bool(rec) and os.path.exists(path) and os.path.getsize(path) == rec["bytes"] and \
-        os.path.exists(os.path.join(dst, STATE_DIR, name + ".figures.jsonl.zst"))
+def _collect(events, remaining: set[str], procs, dst: str, plan: Plan, options: Options,
+             on_event: Event) -> None:
+    while remaining:
+        try:
+            kind, f = events.get(timeout=1.0)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                raise ConvertError(f"workers stopped with {len(remaining)} shard(s) unconverted, "
+                                   f"e.g. {sorted(remaining)[0]}") from None
+            continue
+        if kind == "done":
+            remaining.discard(f["shard"])
+        _handle(kind, f, dst, plan, options, on_event)
 
 
-def _record_shard(dst: str, state: str, manifest: dict, f: dict) -> None:
-    write_rows(os.path.join(state, f["shard"] + ".figures.jsonl.zst"), f["figures"])
+def _handle(kind: str, f: dict, dst: str, plan: Plan, options: Options, on_event: Event) -> None:
+    if kind == "error":
+        on_event("error", f)
+        raise {2: BadInput, 4: OutputError}.get(f.get("code"), ConvertError)(f["message"])
+    if kind != "done":
+        on_event(kind, f)
+        return
     rows = f["figures"]
-    manifest["shards"][f["shard"]] = {
-        "sha256": f["sha256"], "bytes": f["bytes"], "converted": len(rows),
-        "seconds": round(f["seconds"], 3),
-        "rel_rmse_worst": max((r["rel_rmse"] for r in rows), default=0.0),
+    write_rows(_state(dst, f["shard"] + ".figures.jsonl.zst"), rows)
+    worst = max(rows, key=lambda r: r["rel_rmse"], default=None)
+    write_json(_state(dst, f["shard"] + ".done.json"), {
+        "sha256": f["sha256"], "bytes": f["bytes"], "converted": len(rows), "seconds": round(f["seconds"], 3),
+        "rel_rmse_worst": worst["rel_rmse"] if worst else 0.0,
         "snr_db_min": min((r["snr_db"] for r in rows), default=None),
-    }
-    write_json(os.path.join(dst, MANIFEST), manifest)
-
-
-def _finish(plan: Plan, dst: str, manifest: dict, options: Options, t0: float, status: str = "complete") -> Summary:
-    """Once every shard is there: side files, config, index, report, then the manifest."""
-    done = [s for s in plan.shards if _shard_done(dst, s.name, manifest)]
-    rows = [r for s in done for r in read_rows(os.path.join(dst, STATE_DIR, s.name + ".figures.jsonl.zst"))]
-    figs = [TensorFigures(**r) for r in rows]
-    layers = layer_summary(figs)
-    summary = Summary(dst, len(done), len(plan.shards), len(figs), time.perf_counter() - t0,
-                      sum(s.bytes_in for s in done), sum(s.bytes_out for s in done), layers)
-    if figs:
-        w = max(figs, key=lambda r: r.rel_rmse)
-        summary.worst = {"tensor": w.name, "rel_rmse": w.rel_rmse}
-    all_done = len(done) == len(plan.shards)
-    if not all_done:  # a batch job's part: another run (or `k3convert finalize`) completes DST
-        return summary
-    # shards finished by earlier runs were never checked against this run's --max-rel-rmse
-    over = status == "complete" and summary.worst is not None and summary.worst["rel_rmse"] > options.max_rel_rmse
-    if over:
-        status = "failed-validation"
-    for rel in plan.other_files:
-        os.makedirs(os.path.dirname(os.path.join(dst, rel)) or dst, exist_ok=True)
-        shutil.copyfile(os.path.join(plan.src, rel), os.path.join(dst, rel))
-    write_json(os.path.join(dst, "config.json"), ckpt.int4_config(plan.config, plan.quant))
-    total = sum(t.nbytes for s in plan.shards for t in s.layout.tensors)
-    write_json(os.path.join(dst, ckpt.INDEX), {"metadata": {"total_size": total}, "weight_map": dict(sorted(plan.weight_map().items()))})
-    write_rows(os.path.join(dst, TENSOR_TABLE), rows)
-    write_json(os.path.join(dst, REPORT), {
-        "tool": "k3convert", "version": __version__, "source": plan.src, "status": status,
-        "source_format": SOURCE_FORMAT, "target_format": TARGET_FORMAT, "activation": plan.activation,
-        "max_rel_rmse": options.max_rel_rmse, "tensors": len(figs), "worst": summary.worst,
-        "rel_rmse_mean": sum(r.rel_rmse for r in figs) / max(1, len(figs)),
-        "tensor_table": TENSOR_TABLE, "layers": layers,
+        "output": file_fingerprint(os.path.join(dst, f["shard"])),
     })
-    manifest["status"] = status
-    manifest["complete"] = status == "complete"
-    manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    write_json(os.path.join(dst, MANIFEST), manifest)
-    summary.complete = manifest["complete"]
-    if over:
-        w = summary.worst
-        raise ThresholdExceeded(f"relative RMSE {w['rel_rmse']:.4f} exceeds --max-rel-rmse {options.max_rel_rmse}",
-                                file=os.path.join(dst, plan.weight_map()[w["tensor"]]), tensor=w["tensor"])
-    return summary
+    on_event("done", {"shard": f["shard"], "seconds": f["seconds"],
+                      "rel_rmse_worst": worst["rel_rmse"] if worst else 0.0})
+    if worst and worst["rel_rmse"] > options.max_rel_rmse:
+        finalize(dst, plan, options)
+        raise ThresholdExceeded(f"relative RMSE {worst['rel_rmse']:.4f} exceeds --max-rel-rmse "
+                                f"{options.max_rel_rmse}", file=os.path.join(dst, f["shard"]), tensor=worst["name"])
 
+
+def finalize(dst: str, plan: Plan | None = None, options: Options | None = None) -> Summary:
+    """Write the manifest from the shard records; when every shard is done, also the side
+    files, config, index and report, and mark the manifest complete (last)."""
+    t0 = time.perf_counter()
+    run = read_json(_state(dst, "run.json"))
+    if run is None:
+        raise OutputError("holds no k3convert state (nothing to finalize)", file=dst)
+    plan = plan or build_plan(run["source"])
+    options = options or Options()
+    lock = open(_state(dst, "manifest.lock"), "a+")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # several batch jobs may finish at once
+    try:
+        return _finalize_locked(dst, plan, options, run, t0)
+    finally:
+        lock.close()
+
+
+def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: float) -> Summary:
+    records = {s.name: shard_record(dst, s.name) for s in plan.shards}
+    done = [s for s in plan.shards if records[s.name]]
+    rows = [r for s in done for r in read_rows(_state(dst, s.name + ".figures.jsonl.zst"))]
+    figs = [TensorFigures(**r) for r in rows]
+    worst = max(figs, key=lambda r: r.rel_rmse, default=None)
+    failed = worst is not None and worst.rel_rmse > options.max_rel_rmse
+    all_done = len(done) == len(plan.shards)
+    status = "failed-validation" if failed else ("complete" if all_done else "partial")
+    summary = Summary(dst, len(done), len(plan.shards), len(figs), time.perf_counter() - t0,
+                      sum(s.bytes_in for s in done), sum(s.bytes_out for s in done), layer_summary(figs),
+                      status=status, worst=worst and {"tensor": worst.name, "rel_rmse": worst.rel_rmse})
+    manifest = {
+        "tool": "k3convert", "version": __version__, "status": status, "complete": False,
+        "source_format": SOURCE_FORMAT, "target_format": TARGET_FORMAT, "activation": plan.activation,
+        "source": {"path": plan.src, "config": run["config"], "shards": run["shards"]},
+        "options": run["options"], "shards": {n: r for n, r in records.items() if r},
+    }
+    if all_done and not failed:
+        for rel in plan.other_files:
+            os.makedirs(os.path.dirname(os.path.join(dst, rel)) or dst, exist_ok=True)
+            shutil.copyfile(os.path.join(plan.src, rel), os.path.join(dst, rel))
+        write_json(os.path.join(dst, "config.json"), ckpt.int4_config(plan.config, plan.quant))
+        total = sum(t.nbytes for s in plan.shards for t in s.layout.tensors)
+        write_json(os.path.join(dst, ckpt.INDEX),
+                   {"metadata": {"total_size": total}, "weight_map": dict(sorted(plan.weight_map().items()))})
+    if all_done or failed:
+        write_rows(os.path.join(dst, TENSOR_TABLE), rows)
+        write_json(os.path.join(dst, REPORT), {
+            "tool": "k3convert", "version": __version__, "source": plan.src, "status": status,
+            "source_format": SOURCE_FORMAT, "target_format": TARGET_FORMAT, "activation": plan.activation,
+            "max_rel_rmse": options.max_rel_rmse, "tensors": len(figs), "worst": summary.worst,
+            "rel_rmse_mean": sum(r.rel_rmse for r in figs) / max(1, len(figs)),
+            "tensor_table": TENSOR_TABLE, "layers": summary.layers,
+        })
+    if all_done and not failed:
+        manifest["complete"] = True
+        manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        summary.complete = True
+    write_json(os.path.join(dst, MANIFEST), manifest)
+    return summary
