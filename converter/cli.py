@@ -136,13 +136,14 @@ def finalize(dst) -> None:
 @click.option("--shards", type=int, default=3, show_default=True)
 @click.option("--real-dims", is_flag=True, help="Real K3 expert shapes: w1/w3 [3072, 3584], w2 [3584, 3072].")
 @click.option("--seed", type=int, default=0, show_default=True)
-def make_fixture_cmd(dst, layers, experts, shards, real_dims, seed) -> None:
+@click.option("--device", default="cpu", show_default=True, help="Where to draw the weights (cuda: much faster).")
+def make_fixture_cmd(dst, layers, experts, shards, real_dims, seed, device) -> None:
     """Write a small Kimi-K3-shaped MXFP4 checkpoint to DST."""
     from .fixture import FixtureSpec, make_fixture
 
     kw = {"layers": layers, "experts": experts, "shards": shards, "seed": seed}
     spec = FixtureSpec.real_dims(**kw) if real_dims else FixtureSpec(**kw)
-    names = make_fixture(dst, spec)
+    names = make_fixture(dst, spec, device=device)
     size = sum(os.path.getsize(os.path.join(dst, n)) for n in names)
     click.echo(f"wrote {len(names)} shards, {size / 1e6:.1f} MB -> {dst}")
 
@@ -156,7 +157,7 @@ def demo(ctx, workdir) -> None:
     workdir = workdir or tempfile.mkdtemp(prefix="k3convert-demo-")
     src = os.path.join(workdir, "kimi-k3-fixture")
     if not os.path.exists(src):
-        ctx.invoke(make_fixture_cmd, dst=src, layers=4, experts=8, shards=3, real_dims=False, seed=0)
+        ctx.invoke(make_fixture_cmd, dst=src, layers=4, experts=8, shards=3, real_dims=False, seed=0, device="cpu")
     ctx.invoke(mxfp4_to_int4, src=src, dst=os.path.join(workdir, "kimi-k3-fixture-int4"), max_rel_rmse=0.15,
                devices=None, workers=1, sample_experts=4, overwrite=True, progress="bar")
 

@@ -73,7 +73,8 @@ def default_dst(src: str) -> str:
 
 
 def resolve_devices(options: Options) -> list[str]:
-    if options.devices:
+    """One entry per worker process: each GPU named (or found), else ``workers`` CPU slots."""
+    if options.devices and options.devices != ["cpu"]:
         return list(options.devices)
     if torch.cuda.is_available():
         return [f"cuda:{i}" for i in range(torch.cuda.device_count())]

@@ -114,3 +114,30 @@ def test_deterministic_and_chunk_independent(monkeypatch):
     monkeypatch.setattr(r, "CHUNK_GROUPS", 257)
     b = r.requantize(packed, scales, [0, 1000, 6000])
     assert torch.equal(a.packed, b.packed) and torch.equal(a.scales.view(torch.int16), b.scales.view(torch.int16))
+
+
+def test_numba_kernel_gives_the_reference_bytes():
+    """The fast CPU kernel (int32 class scores) and the float reference agree byte for byte."""
+    from converter.quant import cpu_kernel
+
+    rng = np.random.default_rng(99)
+    packed, scales = random_groups(rng, 20000)
+    adv_p, adv_s = adversarial_groups(rng)
+    packed, scales = torch.cat([adv_p, packed]), torch.cat([adv_s, scales])
+    offsets = [0, 15, 7000, 7001, packed.shape[0]]
+    ref = requantize(packed, scales, offsets)
+    fast = cpu_kernel.requantize(packed, scales, offsets)
+    assert torch.equal(fast.packed, ref.packed)
+    assert torch.equal(fast.scales.view(torch.int16), ref.scales.view(torch.int16))
+    torch.testing.assert_close(fast.stats, ref.stats, rtol=1e-12, atol=0)
+
+
+def test_candidate_table_is_what_the_lps_derive():
+    """Re-run the proof that pruned the bf16 multipliers (scripts/derive_candidates.py)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "derive_candidates.py"
+    r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -19,7 +19,8 @@ def encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = w.abs().amax(-1, keepdim=True)
     exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.zeros_like(amax)).clamp(-127, 127)
     mag = (w.abs() / torch.pow(2.0, exp)).clamp(max=6.0)
-    mid = (_LEVELS[1:] + _LEVELS[:-1]) / 2  # ties go to the lower level here; any rule will do
+    levels = _LEVELS.to(w.device)
+    mid = (levels[1:] + levels[:-1]) / 2  # ties go to the lower level here; any rule will do
     code = torch.bucketize(mag, mid).to(torch.uint8) | ((w < 0).to(torch.uint8) << 3)
     code = code.reshape(out, cols)
     packed = code[:, 0::2] | (code[:, 1::2] << 4)
