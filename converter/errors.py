@@ -35,3 +35,9 @@ class OutputError(ConvertError):
     """DST cannot be written (exists with other content, read-only, disk full, locked)."""
 
     exit_code = 4
+
+
+class VerifyFailed(ConvertError):
+    """A converted checkpoint failed verification (checksums, structure or re-decoded error)."""
+
+    exit_code = 5

@@ -1,0 +1,258 @@
+"""Publish a finished DST on the Hugging Face Hub: refuse unfinished or broken output, write a
+model card that states what a server must know (int4 g32 symmetric, SiTU), then upload.
+
+The upload goes through huggingface_hub's resumable large-folder path: ``upload_large_folder``
+where the installed version has it (0.x/1.x), else ``upload_folder``, which in 2.x is that
+path (streamed, multi-commit, resumable by re-running when hf_xet is installed). Either way
+re-running the same command resumes an interrupted upload.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import __version__
+from .errors import BadInput, ConvertError, VerifyFailed
+from .formats import checkpoint as ckpt
+from .manifest import MANIFEST, STATE_DIR, atomic_write, read_json
+from .verify import REPORT, verify
+
+IGNORE = [f"{STATE_DIR}/**", "*.partial", "*.tmp[0-9]*"]  # state, unfinished shards, torn atomic writes
+README = "README.md"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class UploadResult:
+    repo_id: str
+    revision: str | None
+    files: list[tuple[str, int]]      # (path in repo, bytes), what is (or would be) sent
+    dry_run: bool
+    readme: str                       # "written", "kept" (the user's own) or "would write"
+    method: str | None = None         # the HfApi method used
+    url: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(n for _, n in self.files)
+
+
+def upload_files(dst: str) -> list[tuple[str, int]]:
+    """Files of DST the upload sends, with sizes, after the same filters huggingface_hub applies."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    try:
+        from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
+    except ImportError:  # moved in some version: .git and the upload cache are all it holds
+        DEFAULT_IGNORE_PATTERNS = [".git", ".git/*", "*/.git", "**/.git/**", ".cache/huggingface",
+                                   ".cache/huggingface/*"]
+    rel = []
+    for d, _, files in os.walk(dst):
+        rel += [os.path.relpath(os.path.join(d, f), dst).replace(os.sep, "/") for f in files]
+    keep = filter_repo_objects(sorted(rel), ignore_patterns=IGNORE + list(DEFAULT_IGNORE_PATTERNS))
+    return [(p, os.path.getsize(os.path.join(dst, p))) for p in keep]
+
+
+# --------------------------------------------------------------------------- model card
+
+def base_model(dst: str, manifest: dict, override: str | None = None) -> str:
+    """The source's ``_name_or_path`` (its config, else DST's copy of it), else the source dir's name."""
+    if override:
+        return override
+    src = (manifest.get("source") or {}).get("path") or ""
+    configs = ([os.path.join(src, "config.json")] if src else []) + [os.path.join(dst, "config.json")]
+    for cfg in configs:
+        try:
+            name = (read_json(cfg) or {}).get("_name_or_path")
+        except ConvertError:
+            name = None
+        if name:
+            return str(name)
+    return os.path.basename(src.rstrip("/")) or "unknown"
+
+
+def _fmt(x: Any, spec: str = ".4f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def error_table(report: dict, limit: int = 10) -> str:
+    """The worst ``limit`` layers by worst relative RMSE, as a markdown table, plus the totals."""
+    layers = sorted(report.get("layers") or [], key=lambda r: -r["rel_rmse_worst"])
+    rows = ["| layer | tensors | rel. RMSE mean | rel. RMSE worst | SNR dB (min) | output rel. err (worst) |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for r in layers[:limit]:
+        rows.append(f"| {'-' if r['layer'] is None else r['layer']} | {r['tensors']} | {_fmt(r['rel_rmse_mean'])} "
+                    f"| {_fmt(r['rel_rmse_worst'])} | {_fmt(r['snr_db_worst'], '.2f')} | {_fmt(r.get('out_rel_worst'))} |")
+    worst = report.get("worst") or {}
+    snr = min((r["snr_db_worst"] for r in layers), default=None)
+    head = (f"Overall: {report.get('tensors')} converted tensors, relative RMSE mean "
+            f"**{_fmt(report.get('rel_rmse_mean'))}**, worst **{_fmt(worst.get('rel_rmse'))}** "
+            f"(`{worst.get('tensor')}`), lowest SNR {_fmt(snr, '.2f')} dB. "
+            f"{'The' if len(layers) <= limit else f'The {limit} worst of {len(layers)}'} layers:")
+    return head + "\n\n" + "\n".join(rows)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def model_card(dst: str, base: str | None = None, repo_id: str | None = None) -> str:
+    """README.md for DST, from its manifest, report and config."""
+    manifest = read_json(os.path.join(dst, MANIFEST)) or {}
+    report = read_json(os.path.join(dst, REPORT)) or {}
+    config = read_json(os.path.join(dst, "config.json")) or {}
+    name = base_model(dst, manifest, base)
+    act = manifest.get("activation") or {}
+    where = ", ".join(f"`{'.'.join(p)}`" for p, _ in ckpt.quant_blocks(config)) or "-"
+    size = sum(int(r.get("bytes", 0)) for r in (manifest.get("shards") or {}).values())
+    src = (manifest.get("source") or {}).get("path", "SRC")
+    opts = manifest.get("options") or {}
+    cmd = f"k3convert mxfp4-to-int4 {os.path.basename(src.rstrip('/'))} -o {os.path.basename(dst.rstrip('/'))}"
+    if report.get("max_rel_rmse") is not None:
+        cmd += f" --max-rel-rmse {report['max_rel_rmse']}"
+    if opts.get("sample_experts") is not None:
+        cmd += f" --sample-experts {opts['sample_experts']}"
+    repo = repo_id or "<repo>"
+    front = ["---"]
+    if _REPO_ID.match(name):
+        front += [f"base_model: {name}", "base_model_relation: quantized"]
+    front += ["tags:", "- compressed-tensors", "- int4", "- w4a16", "- k3convert", "---", ""]
+    situ = (f"`hidden_act: {act.get('hidden_act')}`, `activation_situ_beta: {act.get('activation_situ_beta')}`, "
+            f"`activation_situ_linear_beta: {act.get('activation_situ_linear_beta')}`")
+    body = f"""# {name.split('/')[-1]} — int4 (group 32) routed experts
+
+An int4 version of **{name}**: the routed-expert weights, published as MXFP4, requantized to
+int4 with one bf16 scale per 32 weights, in the compressed-tensors `pack-quantized` format that
+vLLM and SGLang load directly. Everything else is byte-identical to the source.
+
+## Quantization
+
+- Routed experts (`...experts.{{E}}.{{w1,w2,w3}}`): int4, **group size 32, symmetric**, one **bf16 scale**
+  per group (dequantized value = q × scale, q in [-8, 7]); no activation quantization (W4A16).
+- Tensors per expert matrix: `weight_packed` int32 `[out, in/8]` (eight q+8 nibbles per word, least
+  significant first), `weight_scale` bf16 `[out, in/32]`, `weight_shape` int64 `[out, in]`.
+- `quantization_config`: `quant_method: compressed-tensors`, `format: pack-quantized`, stated at {where}
+  (every block that described MXFP4 was replaced, top-level and nested; the `ignore` list is kept).
+- Attention, shared experts, router, embeddings, norms, vision tower: unchanged from the source.
+- Size: {_size(size)} in {len(manifest.get('shards') or {})} shard(s).
+
+## Expert activation: SiTU, not SiLU
+
+The experts use SiTU: `a = beta * tanh(g / beta) * sigmoid(g)`, `u = linear_beta * tanh(u / linear_beta)`,
+`out = a * u` (g = w1 x, u = w3 x), with {situ}.
+These are stated in `config.json`, in every shard's safetensors metadata, and in `{MANIFEST}`.
+A kernel that assumes SiLU loads this checkpoint without complaint and produces garbage.
+
+## How it was converted
+
+- Tool: k3convert {manifest.get('version', __version__)} (`{manifest.get('source_format')}` →
+  `{manifest.get('target_format')}`), finished {manifest.get('finished_at', '-')}.
+- Command (reconstructed from the manifest): `{cmd}`
+- Each MXFP4 block of 32 weights is mapped to the int4 group with the least squared error over every
+  bf16 scale (an exact search, not round-to-nearest with amax/7.5).
+- `{MANIFEST}` holds the SHA-256 of every shard; `k3convert verify` re-checks them and the structure.
+
+## Error against the MXFP4 weights
+
+Relative RMSE = ‖W_int4 − W_mxfp4‖ / ‖W_mxfp4‖ per tensor; output error = the same on y = W x for a fixed
+random x (sampled experts). Per-tensor figures: `{report.get('tensor_table', 'k3convert_tensors.jsonl.zst')}`.
+
+{error_table(report)}
+
+## Serving (vLLM, SGLang)
+
+- The server must support this model's architecture (`{config.get('model_type')}`,
+  {', '.join(config.get('architectures') or []) or '-'}) **including the SiTU expert activation** with the
+  parameters above; check that its logs do not fall back to SiLU.
+- It must read the quantization config where it sits ({where}) and support
+  compressed-tensors **W4A16 MoE with group size 32, symmetric** (vLLM: the compressed-tensors
+  W4A16 MoE path, Marlin on CUDA; on ROCm gfx942 its W4A16 MoE path).
+- Pass `--trust-remote-code` if the architecture is served from the repository's code, and shard across
+  enough GPUs for {_size(size)} of weights plus KV cache (e.g. `--tensor-parallel-size 8` / `--tp 8`).
+
+```
+vllm serve {repo} --trust-remote-code --tensor-parallel-size 8
+python -m sglang.launch_server --model-path {repo} --trust-remote-code --tp 8
+```
+"""
+    return "\n".join(front) + body
+
+
+# --------------------------------------------------------------------------- upload
+
+def _xet_available() -> bool:
+    try:
+        from huggingface_hub.utils._runtime import is_xet_available
+    except ImportError:  # private module moved: cannot tell, say nothing
+        return True
+    return bool(is_xet_available())
+
+
+def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | None = None, dry_run: bool = False,
+           token: str | None = None, verify_checksums: bool = False, base: str | None = None,
+           endpoint: str | None = None, api: Any = None) -> UploadResult:
+    """Check DST, write its model card if it has none, and upload it to ``repo_id`` (a model repo).
+
+    Refuses (VerifyFailed, exit 5) unless the manifest says complete and the structural checks
+    pass. ``dry_run``: only list what would be sent; nothing is written and nothing is sent.
+    """
+    dst = os.path.abspath(dst)
+    if not _REPO_ID.match(repo_id):
+        raise BadInput(f"repo id {repo_id!r} is not of the form owner/name")
+    try:
+        manifest = read_json(os.path.join(dst, MANIFEST)) if os.path.isdir(dst) else None
+    except ConvertError:
+        raise BadInput(f"{MANIFEST} is not valid JSON", file=dst) from None
+    if manifest is None:
+        raise BadInput(f"no {MANIFEST}: not a k3convert output directory", file=dst)
+    if manifest.get("complete") is not True:
+        raise VerifyFailed(f"the manifest says the conversion is not complete (status {manifest.get('status')!r}): "
+                           "finish it before uploading", file=dst)
+    verify(dst, checksums=verify_checksums).raise_if_failed()
+
+    readme_path = os.path.join(dst, README)
+    files = upload_files(dst)
+    if os.path.exists(readme_path):
+        readme = "kept"
+    elif dry_run:
+        readme = "would write"
+        files = sorted(files + [(README, len(model_card(dst, base, repo_id).encode()))])
+    else:
+        atomic_write(readme_path, model_card(dst, base, repo_id).encode())
+        readme = "written"
+        files = upload_files(dst)
+    result = UploadResult(repo_id, revision, files, dry_run, readme)
+    if dry_run:
+        return result
+
+    if api is None:
+        from huggingface_hub import HfApi
+        api = HfApi(endpoint=endpoint, token=token)
+    from huggingface_hub.errors import HfHubHTTPError
+    try:
+        result.url = str(api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True))
+        if revision and revision != "main":
+            api.create_branch(repo_id, repo_type="model", branch=revision, exist_ok=True)
+        if hasattr(api, "upload_large_folder"):  # huggingface_hub < 2: its resumable large-folder API
+            result.method = "upload_large_folder"
+            api.upload_large_folder(repo_id=repo_id, folder_path=dst, repo_type="model", revision=revision,
+                                    private=private, ignore_patterns=list(IGNORE))
+        else:  # huggingface_hub >= 2: upload_folder is the resumable multi-commit path (with hf_xet)
+            result.method = "upload_folder"
+            if not _xet_available():
+                result.notes.append("hf_xet is not installed (or HF_HUB_DISABLE_XET is set): upload_folder made a "
+                                    "single commit, which does not resume; `pip install hf_xet` for large uploads")
+            api.upload_folder(repo_id=repo_id, folder_path=dst, repo_type="model", revision=revision,
+                              ignore_patterns=list(IGNORE),
+                              commit_message=f"int4 group-32 experts converted by k3convert {__version__}")
+    except Exception as e:  # the Hub or the network: one line and how to resume; anything else is a bug
+        network = type(e).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3")
+        if not (isinstance(e, (HfHubHTTPError, OSError, ValueError)) or network):
+            raise
+        raise ConvertError(f"upload to {repo_id} failed: {e}. Run the same command again to resume") from None
+    if private:
+        result.notes.append("an existing repository keeps its visibility: --private applies to a new one")
+    return result

@@ -1,0 +1,202 @@
+"""What is in a checkpoint directory (or one shard): format, shards, tensors, quantization, SiTU.
+
+Headers and JSON only, no tensor data, so it is instant on a 1.5 TB checkpoint. For an MXFP4
+source it also runs the preflight (build_plan) and states what a conversion would produce.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+from .errors import BadInput, ConvertError
+from .formats import checkpoint as ckpt
+from .formats.safetensors_io import read_header
+from .manifest import MANIFEST, read_json
+from .plan import PACKED
+
+MXFP4_SOURCE = "mxfp4-source"
+K3_OUTPUT = "k3convert-int4"
+INT4_OTHER = "int4-pack-quantized"
+OTHER = "other"
+UNQUANTIZED = "unquantized"
+
+
+def _block_summary(path: tuple[str, ...], block: dict) -> dict[str, Any]:
+    weights = [g.get("weights") or {} for g in (block.get("config_groups") or {}).values() if isinstance(g, dict)]
+    keys = ("num_bits", "type", "group_size", "symmetric", "strategy")
+    return {
+        "where": ".".join(path),
+        "quant_method": block.get("quant_method"),
+        "format": block.get("format"),
+        "weights": [{k: w.get(k) for k in keys if k in w} for w in weights],
+        "ignore": list(block.get("ignore") or []),
+    }
+
+
+def _detect(blocks: list[tuple[tuple[str, ...], dict]], has_manifest: bool) -> tuple[str, str]:
+    """(kind, a sentence) from the quantization blocks and the presence of a k3convert manifest."""
+    from .verify import int4_block_problems
+
+    if not blocks:
+        return UNQUANTIZED, "no quantization_config (unquantized, or not a checkpoint k3convert knows)"
+    if any(ckpt.is_mxfp4(b) for _, b in blocks):
+        return MXFP4_SOURCE, "MXFP4 source (compressed-tensors mxfp4-pack-quantized): k3convert converts this"
+    if all(not int4_block_problems(b) for _, b in blocks):
+        if has_manifest:
+            return K3_OUTPUT, "k3convert int4 output (compressed-tensors pack-quantized int4, group 32, symmetric)"
+        return INT4_OTHER, "compressed-tensors pack-quantized int4 group 32 (no k3convert manifest)"
+    described = "; ".join(f"{'.'.join(p)}: quant_method={b.get('quant_method')!r}, format={b.get('format')!r}"
+                          for p, b in blocks)
+    hint = ""
+    if any(b.get("quant_method") == "mxfp4" for _, b in blocks):
+        hint = " (gpt-oss MXFP4 layout: k3convert does not convert it)"
+    return OTHER, f"other: {described}{hint}"
+
+
+def _situ(config: dict) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in ckpt.SITU_FIELDS:
+        for where, scope in (("text_config", config.get("text_config") or {}), ("top-level", config)):
+            if key in scope:
+                out[key] = {"value": scope[key], "where": where}
+                break
+    return out
+
+
+def _shard_file(path: str) -> dict[str, Any]:
+    h = read_header(path)
+    dtypes = Counter(t.dtype for t in h.tensors.values())
+    return {
+        "path": os.path.abspath(path), "kind": "safetensors shard", "bytes": h.file_size,
+        "tensors": len(h.tensors), "dtypes": dict(sorted(dtypes.items())),
+        "quantized_modules": sum(n.endswith("." + PACKED) for n in h.tensors),
+        "metadata": h.metadata,
+    }
+
+
+def inspect_path(path: str) -> dict[str, Any]:
+    """Describe a checkpoint directory or a single .safetensors file (raises BadInput if unreadable)."""
+    path = os.path.abspath(path)
+    if os.path.isfile(path):
+        return _shard_file(path)
+    if not os.path.isdir(path):
+        raise BadInput("no such file or directory", file=path)
+    config_path = os.path.join(path, "config.json")
+    config = ckpt.load_json(config_path) if os.path.exists(config_path) else {}
+    try:
+        manifest = read_json(os.path.join(path, MANIFEST))
+    except ConvertError:
+        manifest = {"unreadable": True}
+    blocks = ckpt.quant_blocks(config)
+    kind, description = _detect(blocks, manifest is not None)
+    if manifest and not manifest.get("unreadable") and not os.path.exists(os.path.join(path, ckpt.INDEX)):
+        # an unfinished k3convert output: no index yet, the manifest names the shards done
+        wm = {t: n for n in sorted(manifest.get("shards") or {}) if os.path.exists(os.path.join(path, n))
+              for t in read_header(os.path.join(path, n)).tensors}
+        total = len((manifest.get("source") or {}).get("shards") or {})
+        kind, description = K3_OUTPUT, (f"k3convert int4 output, unfinished: {len(manifest.get('shards') or {})} "
+                                        f"of {total} shard(s) done (status {manifest.get('status')!r})")
+    else:
+        wm = ckpt.weight_map(path)
+    shards, dtypes, total_bytes, modules, metadata_situ = [], Counter(), 0, 0, 0
+    for name in sorted(set(wm.values())):
+        p = os.path.join(path, name)
+        if not os.path.exists(p):
+            shards.append({"name": name, "missing": True})
+            continue
+        h = read_header(p)
+        n_mod = sum(t.endswith("." + PACKED) for t in h.tensors)
+        shards.append({"name": name, "bytes": h.file_size, "tensors": len(h.tensors), "quantized_modules": n_mod})
+        dtypes.update(t.dtype for t in h.tensors.values())
+        total_bytes += h.file_size
+        modules += n_mod
+        metadata_situ += all(k in h.metadata for k in ckpt.SITU_FIELDS[:1])
+    others = []
+    for d, dirs, files in os.walk(path):
+        dirs[:] = [x for x in dirs if not x.startswith(".")]  # .k3convert state, .cache
+        others += [os.path.relpath(os.path.join(d, f), path) for f in files]
+    others = sorted(set(others) - set(wm.values()))
+    info: dict[str, Any] = {
+        "path": path, "format": kind, "description": description,
+        "model_type": config.get("model_type"), "architectures": config.get("architectures"),
+        "shards": shards, "shard_count": len(shards),
+        "tensors": len(wm), "quantized_modules": modules, "dtypes": dict(sorted(dtypes.items())),
+        "bytes": total_bytes, "other_files": others,
+        "quantization_configs": [_block_summary(p, b) for p, b in blocks],
+        "situ": _situ(config),
+        "situ_in_shard_metadata": f"{metadata_situ} of {len(shards)} shard(s)",
+    }
+    if kind == MXFP4_SOURCE:
+        from .plan import build_plan
+        try:
+            plan = build_plan(path)
+            info["plan"] = {"bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
+                            "tensors_to_convert": plan.n_convert,
+                            "source_tensors_converted": 2 * plan.n_convert,
+                            "activation": plan.activation}
+        except BadInput as e:
+            info["plan"] = {"error": str(e)}
+    if manifest is not None:
+        report = None
+        try:
+            report = read_json(os.path.join(path, "k3convert_report.json"))
+        except ConvertError:
+            pass
+        info["k3convert"] = {
+            "complete": manifest.get("complete"), "status": manifest.get("status"),
+            "version": manifest.get("version"), "source": (manifest.get("source") or {}).get("path"),
+            "activation": manifest.get("activation"),
+            "worst": (report or {}).get("worst"), "rel_rmse_mean": (report or {}).get("rel_rmse_mean"),
+        }
+    return info
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def format_info(info: dict[str, Any]) -> str:
+    """The readable summary the CLI prints."""
+    if info.get("kind") == "safetensors shard":
+        lines = [f"{info['path']}: safetensors shard, {_gb(info['bytes'])}, {info['tensors']} tensors "
+                 f"({', '.join(f'{k} {v}' for k, v in info['dtypes'].items())}), "
+                 f"{info['quantized_modules']} quantized module(s)"]
+        lines += [f"  metadata {k}: {v}" for k, v in sorted(info["metadata"].items())]
+        return "\n".join(lines)
+    lines = [f"{info['path']}",
+             f"  format:       {info['description']}",
+             f"  model:        {info.get('model_type') or '-'} {info.get('architectures') or ''}".rstrip(),
+             f"  shards:       {info['shard_count']} ({_gb(info['bytes'])})",
+             f"  tensors:      {info['tensors']} ({', '.join(f'{k} {v}' for k, v in info['dtypes'].items())}); "
+             f"quantized modules (weight_packed): {info['quantized_modules']}"]
+    missing = [s["name"] for s in info["shards"] if s.get("missing")]
+    if missing:
+        lines.append(f"  MISSING:      {', '.join(missing)}")
+    if not info["quantization_configs"]:
+        lines.append("  quantization: none")
+    for b in info["quantization_configs"]:
+        w = "; ".join(", ".join(f"{k}={v}" for k, v in x.items()) for x in b["weights"]) or "-"
+        lines.append(f"  quantization: {b['where']}: {b['quant_method']} / {b['format']} ({w}); "
+                     f"{len(b['ignore'])} ignore pattern(s)")
+    if info["situ"]:
+        lines.append("  activation:   " + ", ".join(f"{k}={v['value']} ({v['where']})" for k, v in info["situ"].items()))
+    else:
+        lines.append("  activation:   not stated in config.json (no hidden_act)")
+    lines.append(f"  shard metadata states hidden_act: {info['situ_in_shard_metadata']}")
+    plan = info.get("plan")
+    if plan and "error" in plan:
+        lines.append(f"  conversion:   preflight fails: {plan['error']}")
+    elif plan:
+        lines.append(f"  conversion:   {plan['tensors_to_convert']} expert matrices to convert "
+                     f"({plan['source_tensors_converted']} source tensors); output {_gb(plan['bytes_out'])} "
+                     f"from {_gb(plan['bytes_in'])}")
+    k3 = info.get("k3convert")
+    if k3:
+        worst = k3.get("worst") or {}
+        lines.append(f"  k3convert:    {'complete' if k3.get('complete') else 'NOT complete'} "
+                     f"(status {k3.get('status')}, version {k3.get('version')}), source {k3.get('source')}")
+        if worst:
+            lines.append(f"  error:        relative RMSE mean {k3.get('rel_rmse_mean'):.4f}, worst "
+                         f"{worst.get('rel_rmse'):.4f} ({worst.get('tensor')})")
+    return "\n".join(lines)

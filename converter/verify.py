@@ -1,0 +1,576 @@
+"""Check a converted DST before anyone serves or uploads it: bytes, structure, activation, numbers.
+
+Three layers, each reported as a pass/fail line with the problems it found:
+checksums (every shard against the manifest), structure (index, config, tensor shapes and
+dtypes, SiTU stated everywhere a loader looks, the figure table), and, given the source,
+a re-decode of sampled experts through a path independent of the converter's own reader
+(``safetensors.safe_open`` + compressed-tensors' unpacker), whose error must match the
+figures the conversion recorded and whose groups must be exactly optimal.
+"""
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import BadInput, ConvertError, VerifyFailed
+from .formats import checkpoint as ckpt
+from .formats.safetensors_io import Header, TensorInfo, read_header
+from .manifest import MANIFEST, read_json, read_rows, sha256_file
+from .plan import PACKED, SCALE, SHAPE
+
+REPORT = "k3convert_report.json"        # the names pipeline.py writes (not imported: keeps
+TENSOR_TABLE = "k3convert_tensors.jsonl.zst"  # this module free of the multiprocessing machinery)
+REL_TOL = 1e-6         # re-decoded relative RMSE vs the recorded figure
+OPT_GROUPS = 8         # groups per tensor checked against a brute-force optimum
+OPT_TENSORS = 8        # tensors whose groups are checked that way (the first sampled ones)
+SHOWN = 20             # problems printed per check
+
+
+@dataclass
+class Check:
+    """One line of the report: a named check, what it covered, and what it found wrong."""
+
+    name: str
+    summary: str = ""
+    problems: list[str] = field(default_factory=list)
+    skipped: bool = False
+    notes: list[str] = field(default_factory=list)   # worth saying, not a failure
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def fail(self, message: str) -> None:
+        self.problems.append(message)
+
+    @property
+    def status(self) -> str:
+        return "SKIP" if self.skipped else ("PASS" if self.ok else "FAIL")
+
+
+@dataclass
+class VerifyResult:
+    dst: str
+    checks: list[Check] = field(default_factory=list)
+    decoder: str | None = None   # which int4 reader the re-decode used
+    sampled: int = 0             # converted tensors re-decoded
+
+    @property
+    def problems(self) -> list[str]:
+        return [f"{c.name}: {p}" for c in self.checks for p in c.problems]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def check(self, name: str) -> Check:
+        return next(c for c in self.checks if c.name == name)
+
+    def raise_if_failed(self) -> None:
+        if not self.ok:
+            shown = self.problems[:SHOWN]
+            more = len(self.problems) - len(shown)
+            raise VerifyFailed(f"{len(self.problems)} verification problem(s):\n  " + "\n  ".join(shown)
+                               + (f"\n  ... and {more} more" if more else ""), file=self.dst)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dst": self.dst, "ok": self.ok, "decoder": self.decoder, "sampled": self.sampled,
+                "checks": [{"name": c.name, "status": c.status, "summary": c.summary, "problems": c.problems,
+                            "notes": c.notes}
+                           for c in self.checks]}
+
+    def format(self) -> str:
+        """The pass/fail list for the terminal."""
+        lines = [f"verify {self.dst}"]
+        for c in self.checks:
+            lines.append(f"  {c.status}  {c.name:<12} {c.summary}")
+            for p in c.problems[:SHOWN]:
+                lines.append(f"        - {p}")
+            lines += [f"        note: {n}" for n in c.notes]
+            if len(c.problems) > SHOWN:
+                lines.append(f"        ... and {len(c.problems) - SHOWN} more")
+        n = len(self.problems)
+        lines.append(f"result: {'PASS' if self.ok else 'FAIL'}" + (f" ({n} problem(s))" if n else ""))
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- loading
+
+def _read_obj(path: str, check: Check | None) -> dict | None:
+    """A JSON file of DST; a missing or corrupt one is a problem of ``check`` (or unreadable input)."""
+    try:
+        obj = read_json(path)
+    except ConvertError as e:
+        if check is None:
+            raise BadInput("is not valid JSON", file=path) from None
+        check.fail(f"{os.path.basename(path)} is not valid JSON ({e})")
+        return None
+    if obj is None and check is not None:
+        check.fail(f"{os.path.basename(path)} is missing")
+    return obj
+
+
+@dataclass
+class _Dst:
+    path: str
+    manifest: dict
+    index: dict | None
+    config: dict | None
+    headers: dict[str, Header]                  # shard name -> header (readable ones)
+    where: dict[str, tuple[str, TensorInfo]]    # tensor -> (shard, info), over all shards
+
+
+def _load(dst: str, files: Check, index_c: Check, config_c: Check) -> _Dst:
+    dst = os.path.abspath(dst)
+    if not os.path.isdir(dst):
+        raise BadInput("not a directory", file=dst)
+    manifest = _read_obj(os.path.join(dst, MANIFEST), None)
+    if manifest is None:
+        raise BadInput(f"no {MANIFEST}: not a k3convert output directory", file=dst)
+    index = _read_obj(os.path.join(dst, ckpt.INDEX), index_c)
+    config = _read_obj(os.path.join(dst, "config.json"), config_c)
+    names = set(manifest.get("shards") or {})
+    wm = (index or {}).get("weight_map")
+    if index is not None and not isinstance(wm, dict):
+        index_c.fail(f"{ckpt.INDEX} has no weight_map")
+    elif index is not None:
+        names |= set(wm.values())
+    headers: dict[str, Header] = {}
+    where: dict[str, tuple[str, TensorInfo]] = {}
+    for name in sorted(names):
+        path = os.path.join(dst, name)
+        if not os.path.exists(path):
+            continue  # reported by the checksum and index checks
+        try:
+            headers[name] = read_header(path)
+        except BadInput as e:
+            files.fail(f"{name}: unreadable safetensors header ({e})")
+            continue
+        for t, info in headers[name].tensors.items():
+            where.setdefault(t, (name, info))
+    return _Dst(dst, manifest, index, config, headers, where)
+
+
+# --------------------------------------------------------------------------- (a) bytes
+
+def _check_manifest(d: _Dst) -> Check:
+    c = Check("manifest")
+    m = d.manifest
+    if m.get("tool") != "k3convert":
+        c.fail(f"tool is {m.get('tool')!r}, not 'k3convert'")
+    if m.get("complete") is not True:
+        c.fail(f"not complete (status {m.get('status')!r}): finish the conversion first")
+    leftovers = sorted(f for f in os.listdir(d.path) if f.endswith(".partial"))
+    if leftovers:
+        c.notes.append(f"unfinished file(s) of an interrupted run, not part of the output: {', '.join(leftovers)}")
+    c.summary = f"status {m.get('status')!r}, {m.get('tool')} {m.get('version')}, {len(m.get('shards') or {})} shards"
+    return c
+
+
+def _check_checksums(d: _Dst, workers: int) -> Check:
+    c = Check("checksums")
+    shards = d.manifest.get("shards") or {}
+    todo = []
+    for name, rec in sorted(shards.items()):
+        path = os.path.join(d.path, name)
+        if not os.path.exists(path):
+            c.fail(f"{name}: missing")
+        elif os.path.getsize(path) != rec.get("bytes"):
+            c.fail(f"{name}: {os.path.getsize(path)} bytes, manifest says {rec.get('bytes')}")
+        else:
+            todo.append((name, path, rec.get("sha256")))
+    # hashlib releases the GIL on large blocks: a few threads keep several disks busy
+    with ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+        for (name, _, want), got in zip(todo, pool.map(lambda t: sha256_file(t[1]), todo)):
+            if got != want:
+                c.fail(f"{name}: SHA-256 {got} does not match the manifest's {want}")
+    indexed = set(((d.index or {}).get("weight_map") or {}).values())
+    for name in sorted(indexed - set(shards)):
+        c.fail(f"{name}: named by {ckpt.INDEX} but has no manifest entry (no checksum to check)")
+    total = sum(int(r.get("bytes") or 0) for r in shards.values())
+    c.summary = f"{len(shards)} shard(s), {total / 1e9:.3f} GB: SHA-256 and sizes against the manifest"
+    return c
+
+
+# --------------------------------------------------------------------------- (b) structure
+
+def _check_index(d: _Dst, c: Check) -> None:
+    wm = (d.index or {}).get("weight_map")
+    if not isinstance(wm, dict):
+        return
+    for name in sorted(set(wm.values())):
+        if not os.path.exists(os.path.join(d.path, name)):
+            c.fail(f"{name}: named by {ckpt.INDEX} but missing")
+    for shard, h in sorted(d.headers.items()):
+        for t in sorted(h.tensors):
+            if t not in wm:
+                c.fail(f"{shard}: tensor {t} is not in {ckpt.INDEX}")
+            elif wm[t] != shard:
+                c.fail(f"{shard}: tensor {t} is indexed under {wm[t]}")
+    for t, shard in sorted(wm.items()):
+        if shard in d.headers and t not in d.headers[shard].tensors:
+            c.fail(f"{ckpt.INDEX}: {t} -> {shard}, but that shard has no such tensor")
+    for name in sorted(set(d.manifest.get("shards") or {}) - set(wm.values())):
+        c.fail(f"{name}: in the manifest but not in {ckpt.INDEX}")
+    total = sum(i.nbytes for h in d.headers.values() for i in h.tensors.values())
+    stated = ((d.index or {}).get("metadata") or {}).get("total_size")
+    if stated != total:
+        c.fail(f"{ckpt.INDEX}: metadata.total_size is {stated}, the shards hold {total} bytes of tensors")
+    c.summary = f"{len(wm)} tensors in {len(set(wm.values()))} shard(s), total_size {stated}"
+
+
+def int4_block_problems(block: dict) -> list[str]:
+    """Why a quantization_config block is not compressed-tensors pack-quantized int4 g32 symmetric."""
+    out = []
+    if ckpt.is_mxfp4(block) or "mxfp4" in str(block.get("format", "")).lower() or block.get("quant_method") == "mxfp4":
+        return ["still describes MXFP4"]
+    if block.get("quant_method") != "compressed-tensors":
+        out.append(f"quant_method is {block.get('quant_method')!r}, not 'compressed-tensors'")
+    if block.get("format") != "pack-quantized":
+        out.append(f"format is {block.get('format')!r}, not 'pack-quantized'")
+    groups = block.get("config_groups") or {}
+    if not groups:
+        out.append("has no config_groups")
+    want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    for gname, g in groups.items():
+        g = g if isinstance(g, dict) else {}
+        if g.get("format", "pack-quantized") != "pack-quantized":
+            out.append(f"config_groups.{gname}.format is {g.get('format')!r}")
+        w = g.get("weights") or {}
+        out += [f"config_groups.{gname}.weights.{k} is {w.get(k)!r}, expected {v!r}"
+                for k, v in want.items() if w.get(k) != v]
+        if g.get("input_activations"):
+            out.append(f"config_groups.{gname} quantizes input activations (W4A16 expected)")
+    return out
+
+
+def _check_config(d: _Dst, c: Check) -> Check:
+    if d.config is None:
+        return c  # _load said why
+    blocks = ckpt.quant_blocks(d.config)
+    if not blocks:
+        c.fail("no quantization_config (top-level or nested)")
+    for path, block in blocks:
+        c.problems += [f"{'.'.join(path)} {p}" for p in int4_block_problems(block)]
+    c.summary = "quantization_config at " + (", ".join(".".join(p) for p, _ in blocks) or "nowhere")
+    return c
+
+
+def _ignore_patterns(config: dict | None) -> list[str]:
+    return [i for _, b in ckpt.quant_blocks(config or {}) for i in b.get("ignore") or []]
+
+
+def converted_modules(d: _Dst) -> list[str]:
+    """Every module that has a weight_packed tensor, sorted."""
+    return sorted(t[: -len(PACKED) - 1] for t in d.where if t.endswith("." + PACKED))
+
+
+def _check_tensors(d: _Dst) -> Check:
+    c = Check("tensors")
+    modules = converted_modules(d)
+    ignore = _ignore_patterns(d.config)
+    fds: dict[str, int] = {}
+    try:
+        for m in modules:
+            shard, p = d.where[f"{m}.{PACKED}"]
+            s = d.where.get(f"{m}.{SCALE}")
+            sh = d.where.get(f"{m}.{SHAPE}")
+            if p.dtype != "I32" or len(p.shape) != 2:
+                c.fail(f"{m}.{PACKED}: {p.dtype}{list(p.shape)}, expected 2-D I32 (MXFP4 left unconverted?)")
+                continue
+            rows, cols = p.shape[0], p.shape[1] * 8
+            if cols % 32:
+                c.fail(f"{m}.{PACKED}: in-dim {cols} is not a multiple of the group size 32")
+            if s is None:
+                c.fail(f"{m}: no {SCALE}")
+            elif s[1].dtype != "BF16" or s[1].shape != (rows, cols // 32):
+                c.fail(f"{m}.{SCALE}: {s[1].dtype}{list(s[1].shape)}, expected BF16{[rows, cols // 32]}")
+            if sh is None:
+                c.fail(f"{m}: no {SHAPE}")
+            elif sh[1].dtype != "I64" or sh[1].shape != (2,):
+                c.fail(f"{m}.{SHAPE}: {sh[1].dtype}{list(sh[1].shape)}, expected I64[2]")
+            else:
+                if sh[0] not in fds:
+                    fds[sh[0]] = os.open(os.path.join(d.path, sh[0]), os.O_RDONLY)
+                raw = os.pread(fds[sh[0]], 16, sh[1].start)
+                value = [int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:], "little", signed=True)]
+                if value != [rows, cols]:
+                    c.fail(f"{m}.{SHAPE}: holds {value}, but {PACKED} is for [{rows}, {cols}]")
+            if any(ckpt._matches(m, pat) for pat in ignore):
+                c.fail(f"{m}: quantized, but the config's ignore list excludes it (a loader would read it as bf16)")
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    for t, (_, info) in sorted(d.where.items()):  # leftovers: an int4 shape or an E8M0 scale alone
+        orphan = (t.endswith("." + SHAPE) or t.endswith("." + SCALE) and info.dtype == "U8") and \
+            f"{t.rsplit('.', 1)[0]}.{PACKED}" not in d.where
+        if orphan:
+            c.fail(f"{t}: {info.dtype}{list(info.shape)} with no {PACKED} beside it")
+    c.summary = f"{len(modules)} quantized module(s): I32 packed, BF16 scale, I64 shape, consistent"
+    return c
+
+
+def _check_situ(d: _Dst) -> Check:
+    """SPEC §4: the activation must be stated in config, in every shard, and in the manifest."""
+    c = Check("situ")
+    if d.config is None:
+        c.fail("no config.json: the expert activation cannot be stated")
+        return c
+    try:
+        act = ckpt.activation(d.config, os.path.join(d.path, "config.json"))
+    except BadInput as e:
+        c.fail(str(e))
+        return c
+    for shard, h in sorted(d.headers.items()):
+        for k, v in act.items():
+            if h.metadata.get(k) != str(v):
+                c.fail(f"{shard}: metadata {k} is {h.metadata.get(k)!r}, config says {v!r}")
+    mact = d.manifest.get("activation") or {}
+    for k, v in act.items():
+        if k not in mact or str(mact[k]) != str(v):
+            c.fail(f"{MANIFEST}: activation.{k} is {mact.get(k)!r}, config says {v!r}")
+    c.summary = ", ".join(f"{k}={v}" for k, v in act.items()) + \
+        f" (config, {len(d.headers)} shard metadata, manifest)"
+    return c
+
+
+def _check_figures(d: _Dst) -> tuple[Check, dict[str, dict]]:
+    c = Check("figures")
+    path = os.path.join(d.path, TENSOR_TABLE)
+    rows: dict[str, dict] = {}
+    if not os.path.exists(path):
+        c.fail(f"{TENSOR_TABLE} is missing")
+        return c, rows
+    try:
+        rows = {r["name"]: r for r in read_rows(path)}
+    except Exception as e:  # zstd or JSON damage: a problem of DST, not a crash
+        c.fail(f"{TENSOR_TABLE} is unreadable ({e})")
+        return c, rows
+    want = {f"{m}.{PACKED}" for m in converted_modules(d)}
+    for n in sorted(want - set(rows)):
+        c.fail(f"{n}: converted but has no row in {TENSOR_TABLE}")
+    for n in sorted(set(rows) - want):
+        c.fail(f"{n}: row in {TENSOR_TABLE} but no such converted tensor")
+    for n, r in sorted(rows.items()):
+        if r.get("nonfinite") or not math.isfinite(r.get("rel_rmse", math.nan)):
+            c.fail(f"{n}: non-finite values or error recorded")
+    report = _read_obj(os.path.join(d.path, REPORT), c)
+    if report is not None and report.get("tensors") != len(rows):
+        c.fail(f"{REPORT} counts {report.get('tensors')} tensors, {TENSOR_TABLE} has {len(rows)}")
+    worst = max((r["rel_rmse"] for r in rows.values()), default=0.0)
+    c.summary = f"{len(rows)} per-tensor rows, worst relative RMSE {worst:.4f}"
+    return c, rows
+
+
+# --------------------------------------------------------------------------- (c) re-decode
+
+def _int4_reader() -> tuple[str, Any]:
+    """compressed-tensors' own unpacker when importable (the independent path), else ours."""
+    try:
+        import compressed_tensors
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        def read(words: torch.Tensor, scales: torch.Tensor, shape: list[int]) -> torch.Tensor:
+            q = unpack_from_int32(words, 4, torch.Size(shape))
+            return q.double() * scales.double().repeat_interleave(32, dim=1)
+
+        return f"compressed_tensors {compressed_tensors.__version__} unpack_from_int32", read
+    except ImportError:
+        from .formats import int4
+
+        def read(words: torch.Tensor, scales: torch.Tensor, shape: list[int]) -> torch.Tensor:
+            return int4.decode(words, scales).double()  # q * bf16 is exact in float32
+
+        return "converter.formats.int4.decode (compressed_tensors not importable)", read
+
+
+def spread(items: list, k: int | None) -> list:
+    """``k`` items evenly spaced over ``items`` (first and last included); all when k is None."""
+    n = len(items)
+    if k is None or k >= n:
+        return list(items)
+    if k <= 0:
+        return []
+    if k == 1:
+        return [items[n // 2]]
+    return [items[round(i * (n - 1) / (k - 1))] for i in range(k)]
+
+
+_ALL_BF16 = None
+
+
+def _all_bf16_scales() -> torch.Tensor:
+    """Every positive normal bf16 value, in float64 (the scales an int4 group may have)."""
+    global _ALL_BF16
+    if _ALL_BF16 is None:
+        bits = torch.arange(0x0080, 0x7F80, dtype=torch.int32) << 16
+        _ALL_BF16 = bits.view(torch.float32).double()
+    return _ALL_BF16
+
+
+def brute_force_min(values: torch.Tensor) -> torch.Tensor:
+    """Least squared error of each group [G, 32] over every positive normal bf16 scale S.
+
+    Only S in [a/16, 2a] (a = the group's largest |value|) can win, so only those are tried.
+    S > 2a rounds everything to 0 (error sum v^2), which S = a (bf16: an MXFP4 value) never
+    exceeds. S < a/16 caps |q S| at 8 S < a/2, an error above a^2/4 on the largest value,
+    while some bf16 S in [a/7, a/6.9] (bf16 steps are <= 2^-7 relative) covers every value
+    within S/2: a total below 32 (a/13.8)^2 < a^2/4. tests/test_verify_inspect.py checks
+    the pruned search against the full one.
+    """
+    scales = _all_bf16_scales()
+    out = torch.zeros(values.shape[0], dtype=torch.float64)
+    for i, v in enumerate(values):
+        a = float(v.abs().max())
+        if a == 0:
+            continue
+        s = scales[(scales >= a / 16) & (scales <= 2 * a)]
+        q = torch.clamp(torch.round(v[None, :] / s[:, None]), -8, 7)
+        out[i] = ((q * s[:, None] - v[None, :]) ** 2).sum(1).min()
+    return out
+
+
+def _source_identity(src: str, d: _Dst) -> Check:
+    c = Check("source")
+    recorded = (d.manifest.get("source") or {}).get("shards") or {}
+    from .manifest import file_fingerprint
+    for name, fp in sorted(recorded.items()):
+        path = os.path.join(src, name)
+        if not os.path.exists(path):
+            c.fail(f"{name}: not in {src}")
+            continue
+        now = file_fingerprint(path)
+        if (now["size"], now["edge_blake2b"]) != (fp.get("size"), fp.get("edge_blake2b")):
+            c.fail(f"{name}: differs from the file converted (size or first/last MiB changed)")
+    c.summary = f"{src}: {len(recorded)} shard(s) against the manifest's fingerprints"
+    return c
+
+
+class _Tensors:
+    """Tensors by name through safetensors.safe_open, one open handle per file."""
+
+    def __init__(self, root: str, weight_map: dict[str, str]):
+        self.root, self.wm, self.handles = root, weight_map, {}
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        shard = self.wm.get(name)
+        if shard is None:
+            raise KeyError(name)
+        if shard not in self.handles:
+            self.handles[shard] = safe_open(os.path.join(self.root, shard), framework="pt")
+        return self.handles[shard].get_tensor(name)
+
+
+def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, result: VerifyResult) -> list[Check]:
+    from .formats import mxfp4
+
+    src_wm = ckpt.weight_map(src)   # BadInput (exit 2) when the source is unreadable
+    ident = _source_identity(src, d)
+    c = Check("re-decode")
+    opt = Check("optimality")
+    copy = Check("passthrough")
+    result.decoder, read_int4 = _int4_reader()
+    s_t, d_t = _Tensors(src, src_wm), _Tensors(d.path, {t: s for t, (s, _) in d.where.items()})
+    names = spread(sorted(rows), sample)
+    worst_dev, opt_groups = 0.0, 0
+    for i, name in enumerate(names):
+        m = name[: -len(PACKED) - 1]
+        try:
+            w = mxfp4.decode(s_t.get(f"{m}.{PACKED}"), s_t.get(f"{m}.{SCALE}")).double()
+        except KeyError as e:
+            c.fail(f"{m}: the source has no {e.args[0]}")
+            continue
+        try:
+            shape = d_t.get(f"{m}.{SHAPE}").tolist()
+            if shape != list(w.shape):
+                c.fail(f"{m}: {SHAPE} {shape}, the source is {list(w.shape)}")
+                continue
+            wq = read_int4(d_t.get(f"{m}.{PACKED}"), d_t.get(f"{m}.{SCALE}"), shape)
+        except Exception as e:  # missing or malformed output tensors: the structure checks say which
+            c.fail(f"{m}: cannot be read back ({type(e).__name__}: {e})")
+            continue
+        bad = int((~torch.isfinite(wq)).sum())
+        if bad:
+            c.fail(f"{m}: {bad} non-finite int4 value(s)")
+            continue
+        diff = wq - w
+        err2, ref2 = float((diff * diff).sum()), float((w * w).sum())
+        rel = math.sqrt(err2 / ref2) if ref2 > 0 else (0.0 if err2 == 0 else math.inf)
+        want = rows[name]["rel_rmse"]
+        dev = abs(rel - want) / max(abs(want), 1e-30) if rel != want else 0.0
+        worst_dev = max(worst_dev, dev)
+        if dev > REL_TOL:
+            c.fail(f"{name}: re-decoded relative RMSE {rel:.9g}, table says {want:.9g} (off by {dev:.2e} relative)")
+        max_abs = float(diff.abs().max()) if diff.numel() else 0.0
+        if abs(max_abs - rows[name]["max_abs"]) > REL_TOL * max(rows[name]["max_abs"], 1e-30):
+            c.fail(f"{name}: re-decoded max abs error {max_abs:.9g}, table says {rows[name]['max_abs']:.9g}")
+        if i < OPT_TENSORS:
+            g_err = (diff * diff).reshape(-1, 32).sum(1)
+            picks = torch.unique(torch.cat((g_err.topk(min(OPT_GROUPS // 2, g_err.numel())).indices,
+                                            torch.linspace(0, g_err.numel() - 1, OPT_GROUPS // 2).long())))
+            best = brute_force_min(w.reshape(-1, 32)[picks])
+            for g, e, b in zip(picks.tolist(), g_err[picks].tolist(), best.tolist()):
+                if e > b * (1 + 1e-12) + 1e-300:
+                    opt.fail(f"{m}: group {g} has squared error {e:.6g}, the best bf16 scale gives {b:.6g}")
+            opt_groups += len(picks)
+    result.sampled = len(names)
+    c.summary = (f"{len(names)} of {len(rows)} tensor(s) from the source bytes; largest deviation from the "
+                 f"table {worst_dev:.1e} (limit {REL_TOL:g}); int4 read by {result.decoder}")
+    opt.summary = f"{opt_groups} group(s) of {min(len(names), OPT_TENSORS)} tensor(s) vs every bf16 scale"
+    if not names:
+        c.skipped = opt.skipped = True
+
+    produced = {f"{m}.{x}" for m in converted_modules(d) for x in (PACKED, SCALE, SHAPE)}
+    others = spread(sorted(t for t in d.where if t not in produced), sample)
+    for t in others:
+        try:
+            a, b = s_t.get(t), d_t.get(t)
+        except KeyError:
+            copy.fail(f"{t}: not in the source")
+            continue
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                        b.reshape(-1).view(torch.uint8)):
+            copy.fail(f"{t}: differs from the source ({b.dtype}{list(b.shape)} vs {a.dtype}{list(a.shape)})")
+    copy.summary = f"{len(others)} non-expert tensor(s) byte-identical to the source"
+    return [ident, c, opt, copy]
+
+
+# --------------------------------------------------------------------------- entry point
+
+def verify(dst: str, source: str | None = None, sample: int | None = 8, *, checksums: bool = True,
+           workers: int = 4) -> VerifyResult:
+    """Verify DST; problems are listed in the result (BadInput only when DST or SRC is unreadable).
+
+    ``sample``: converted tensors re-decoded when ``source`` is given (None: every one).
+    ``checksums=False`` skips hashing the shards (the structural checks stay).
+    """
+    files, index, config = Check("files"), Check("index"), Check("config")
+    d = _load(dst, files, index, config)
+    result = VerifyResult(d.path)
+    result.checks.append(_check_manifest(d))
+    if checksums:
+        result.checks.append(_check_checksums(d, workers))
+    else:
+        result.checks.append(Check("checksums", "not computed (structure only)", skipped=True))
+    files.summary = f"{len(d.headers)} shard(s) with readable safetensors headers"
+    _check_index(d, index)
+    result.checks += [files, index, _check_config(d, config), _check_tensors(d), _check_situ(d)]
+    figs, rows = _check_figures(d)
+    result.checks.append(figs)
+    if source is not None:
+        src = os.path.abspath(source)
+        if not os.path.isdir(src):
+            raise BadInput("not a directory", file=src)
+        result.checks += _redecode(src, d, rows, sample, result)
+    else:
+        where = (d.manifest.get("source") or {}).get("path")
+        result.checks.append(Check("re-decode", f"not run: give --source (the manifest names {where})",
+                                   skipped=True))
+    return result

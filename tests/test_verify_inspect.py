@@ -1,0 +1,339 @@
+"""`k3convert verify` and `k3convert inspect` on a real conversion of the small fixture.
+
+Every failure case damages one thing in a copy of a good DST and checks that verify names it,
+so a check that silently passes everything would fail here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from converter.cli import main
+from converter.errors import BadInput, VerifyFailed
+from converter.fixture import FixtureSpec, make_fixture
+from converter.formats import mxfp4
+from converter.inspect import inspect_path
+from converter.manifest import MANIFEST, read_rows, sha256_file, write_json, write_rows
+from converter.pipeline import Options, convert
+from converter.plan import build_plan
+from converter.verify import _all_bf16_scales, brute_force_min, spread, verify
+
+INDEX = "model.safetensors.index.json"
+TABLE = "k3convert_tensors.jsonl.zst"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(src, dst): the fixture and its conversion, made once for the module."""
+    root = tmp_path_factory.mktemp("k3")
+    src, dst = str(root / "src"), str(root / "dst")
+    make_fixture(src, FixtureSpec())
+    convert(src, dst, Options())
+    return src, dst
+
+
+@pytest.fixture
+def dst(converted, tmp_path):
+    """A private copy of the good DST, free to damage."""
+    out = str(tmp_path / "dst")
+    shutil.copytree(converted[1], out)
+    return out
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _shard_names(dst):
+    return sorted(f for f in os.listdir(dst) if f.endswith(".safetensors"))
+
+
+def _header(path):
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def _rewrite_header(path, edit):
+    """Apply ``edit`` to a shard's header JSON and write the file back (data unchanged)."""
+    head, start = _header(path)
+    edit(head)
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read()
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _refresh_checksum(dst, shard):
+    """Make the manifest agree with a modified shard: isolates the other checks."""
+    m = _json(os.path.join(dst, MANIFEST))
+    p = os.path.join(dst, shard)
+    m["shards"][shard].update(sha256=sha256_file(p), bytes=os.path.getsize(p))
+    write_json(os.path.join(dst, MANIFEST), m)
+
+
+def _failed(result):
+    return {c.name for c in result.checks if not c.ok}
+
+
+# ----------------------------------------------------------------------------- a good DST
+
+def test_good_dst_passes_with_source(converted):
+    src, dst = converted
+    r = verify(dst, src, sample=4)
+    assert r.ok, r.format()
+    assert r.sampled == 4
+    assert "compressed_tensors" in r.decoder          # the independent reader was used
+    statuses = {c.name: c.status for c in r.checks}
+    assert statuses["re-decode"] == statuses["optimality"] == statuses["passthrough"] == "PASS"
+    assert "72 quantized module" in r.check("tensors").summary
+
+
+def test_cli_verify_exit_codes(converted, tmp_path):
+    src, dst = converted
+    ok = CliRunner().invoke(main, ["verify", dst, "--source", src, "--sample", "2"])
+    assert ok.exit_code == 0, ok.output
+    assert "result: PASS" in ok.output and "FAIL" not in ok.output
+    missing = CliRunner().invoke(main, ["verify", str(tmp_path / "nope")])
+    assert missing.exit_code == 2
+
+
+def test_fallback_int4_reader_when_compressed_tensors_is_missing(converted, monkeypatch):
+    """The re-decode still works, and says it used the converter's own int4 decoder."""
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # import now raises ImportError
+    src, dst = converted
+    r = verify(dst, src, sample=2, checksums=False)
+    assert r.ok, r.format()
+    assert r.decoder.startswith("converter.formats.int4.decode")
+
+
+# ----------------------------------------------------------------------------- (a) checksums
+
+def test_one_corrupt_byte_is_a_checksum_mismatch_naming_the_shard(dst):
+    shard = _shard_names(dst)[1]
+    path = os.path.join(dst, shard)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0x01]))
+    r = verify(dst)
+    assert _failed(r) == {"checksums"}
+    assert any(shard in p and "SHA-256" in p for p in r.check("checksums").problems)
+    res = CliRunner().invoke(main, ["verify", dst])
+    assert res.exit_code == 5 and shard in res.output
+
+
+def test_truncated_and_missing_shards(dst):
+    a, b = _shard_names(dst)[:2]
+    with open(os.path.join(dst, a), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(dst, a)) - 10)
+    os.unlink(os.path.join(dst, b))
+    r = verify(dst)
+    probs = " ".join(r.problems)
+    assert f"{a}: " in probs and "bytes, manifest says" in probs
+    assert f"{b}: missing" in probs
+
+
+# ----------------------------------------------------------------------------- (b) structure
+
+def test_deleted_index_entry_is_a_structure_failure(dst):
+    idx = _json(os.path.join(dst, INDEX))
+    victim = sorted(idx["weight_map"])[5]
+    del idx["weight_map"][victim]
+    write_json(os.path.join(dst, INDEX), idx)
+    r = verify(dst)
+    assert "index" in _failed(r)
+    assert any(victim in p and "not in" in p for p in r.check("index").problems)
+
+
+def test_wrong_total_size(dst):
+    idx = _json(os.path.join(dst, INDEX))
+    idx["metadata"]["total_size"] += 1
+    write_json(os.path.join(dst, INDEX), idx)
+    assert any("total_size" in p for p in verify(dst).check("index").problems)
+
+
+def test_hidden_act_removed_from_config_fails(dst):
+    cfg = _json(os.path.join(dst, "config.json"))
+    del cfg["text_config"]["hidden_act"]
+    write_json(os.path.join(dst, "config.json"), cfg)
+    r = verify(dst)
+    assert "situ" in _failed(r)
+    assert any("hidden_act" in p for p in r.check("situ").problems)
+    assert CliRunner().invoke(main, ["verify", dst]).exit_code == 5
+
+
+def test_situ_missing_from_one_shards_metadata(dst):
+    shard = _shard_names(dst)[0]
+    _rewrite_header(os.path.join(dst, shard), lambda h: h["__metadata__"].pop("activation_situ_beta"))
+    _refresh_checksum(dst, shard)
+    r = verify(dst)
+    assert _failed(r) == {"situ"}
+    assert any(shard in p and "activation_situ_beta" in p for p in r.check("situ").problems)
+
+
+def test_nested_block_left_as_mxfp4_fails(dst, converted):
+    """The llm-compressor defect: a fresh top-level block, the nested one still MXFP4."""
+    cfg = _json(os.path.join(dst, "config.json"))
+    src_cfg = _json(os.path.join(converted[0], "config.json"))
+    cfg["quantization_config"] = cfg["text_config"]["quantization_config"]
+    cfg["text_config"]["quantization_config"] = src_cfg["text_config"]["quantization_config"]
+    write_json(os.path.join(dst, "config.json"), cfg)
+    r = verify(dst)
+    assert _failed(r) == {"config"}
+    assert r.check("config").problems == ["text_config.quantization_config still describes MXFP4"]
+
+
+def test_asymmetric_or_other_group_size_fails(dst):
+    cfg = _json(os.path.join(dst, "config.json"))
+    w = cfg["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]
+    w.update(symmetric=False, group_size=128)
+    write_json(os.path.join(dst, "config.json"), cfg)
+    probs = verify(dst).check("config").problems
+    assert any("symmetric" in p for p in probs) and any("group_size" in p for p in probs)
+
+
+def test_bad_weight_shape_and_scale_dtype(dst):
+    shard = _shard_names(dst)[0]
+    head, _ = _header(os.path.join(dst, shard))
+    module = sorted(n for n in head if n.endswith(".weight_scale"))[0][: -len(".weight_scale")]
+
+    def edit(h):
+        h[f"{module}.weight_scale"]["dtype"] = "F16"  # same size, wrong dtype
+    _rewrite_header(os.path.join(dst, shard), edit)
+    _refresh_checksum(dst, shard)
+    r = verify(dst)
+    assert _failed(r) == {"tensors"}
+    assert any(module in p and "expected BF16" in p for p in r.check("tensors").problems)
+
+
+def test_incomplete_manifest_fails_and_unreadable_manifest_is_bad_input(dst):
+    m = _json(os.path.join(dst, MANIFEST))
+    m["complete"] = False
+    write_json(os.path.join(dst, MANIFEST), m)
+    assert "manifest" in _failed(verify(dst))
+    with open(os.path.join(dst, MANIFEST), "w") as f:
+        f.write("{not json")
+    with pytest.raises(BadInput):
+        verify(dst)
+    os.unlink(os.path.join(dst, MANIFEST))
+    with pytest.raises(BadInput):
+        verify(dst)
+
+
+# ----------------------------------------------------------------------------- (c) re-decode
+
+def test_table_figure_off_by_1e_4_is_caught(dst, converted):
+    path = os.path.join(dst, TABLE)
+    rows = read_rows(path)
+    rows[7]["rel_rmse"] *= 1 + 1e-4
+    write_rows(path, rows)
+    r = verify(dst, converted[0], sample=None, checksums=False)
+    assert _failed(r) == {"re-decode"}
+    assert any(rows[7]["name"] in p for p in r.check("re-decode").problems)
+
+
+def test_wrong_int4_values_with_matching_checksum_are_caught(dst, converted):
+    """A converter bug that writes wrong nibbles (and hashes them faithfully) fails re-decode."""
+    shard = _shard_names(dst)[0]
+    path = os.path.join(dst, shard)
+    head, start = _header(path)
+    name = sorted(n for n in head if n.endswith(".weight_packed"))[3]
+    begin = start + head[name]["data_offsets"][0]
+    with open(path, "r+b") as f:  # move one q by +1 in every word of the first row's first group
+        f.seek(begin)
+        words = bytearray(f.read(16))
+        for k in range(0, 16, 4):
+            words[k] = (words[k] & 0xF0) | ((words[k] & 0x0F) + 1 if (words[k] & 0x0F) < 15 else 14)
+        f.seek(begin)
+        f.write(words)
+    _refresh_checksum(dst, shard)
+    r = verify(dst, converted[0], sample=None)
+    assert "checksums" not in _failed(r)
+    assert "re-decode" in _failed(r)
+    module = name[: -len(".weight_packed")]
+    assert any(module in p for p in r.check("re-decode").problems)
+
+
+def test_changed_source_is_reported(converted, tmp_path):
+    src, good = converted
+    other = str(tmp_path / "src2")
+    make_fixture(other, FixtureSpec(seed=1))
+    r = verify(good, other, sample=1, checksums=False)
+    assert "source" in _failed(r) and "re-decode" in _failed(r)
+
+
+def test_pruned_brute_force_equals_the_full_sweep():
+    """The [a/16, 2a] pruning in brute_force_min loses nothing: compare with every bf16 scale."""
+    w = torch.randn(6, 64) * torch.logspace(-3, 1, 6)[:, None]
+    w[0, :32] = 0
+    vals = mxfp4.decode(*mxfp4.encode(w)).double().reshape(-1, 32)
+    full = torch.full((vals.shape[0],), float("inf"), dtype=torch.float64)
+    for s in _all_bf16_scales().split(4096):
+        q = torch.clamp(torch.round(vals[:, None, :] / s[None, :, None]), -8, 7)
+        full = torch.minimum(full, ((q * s[None, :, None] - vals[:, None, :]) ** 2).sum(2).min(1).values)
+    full = torch.where(vals.abs().amax(1) == 0, torch.zeros_like(full), full)
+    assert torch.equal(brute_force_min(vals), full)
+
+
+def test_spread():
+    assert spread(list(range(10)), 3) == [0, 4, 9] or spread(list(range(10)), 3) == [0, 5, 9]
+    assert spread([1, 2], None) == [1, 2] and spread([1, 2], 0) == []
+
+
+def test_raise_if_failed(dst):
+    os.unlink(os.path.join(dst, INDEX))
+    r = verify(dst)
+    with pytest.raises(VerifyFailed) as e:
+        r.raise_if_failed()
+    assert e.value.exit_code == 5 and INDEX in str(e.value)
+
+
+# ----------------------------------------------------------------------------- inspect
+
+def test_inspect_source(converted):
+    src, _ = converted
+    info = inspect_path(src)
+    plan = build_plan(src)
+    assert info["format"] == "mxfp4-source"
+    assert info["plan"]["bytes_out"] == plan.bytes_out and info["plan"]["tensors_to_convert"] == 72
+    assert info["quantized_modules"] == 72 and info["shard_count"] == 3
+    assert info["quantization_configs"][0]["where"] == "text_config.quantization_config"
+    assert info["situ"]["activation_situ_linear_beta"] == {"value": 25.0, "where": "text_config"}
+
+
+def test_inspect_output_and_cli_json(converted):
+    _, dst = converted
+    res = CliRunner().invoke(main, ["inspect", dst, "--json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.output)
+    assert info["format"] == "k3convert-int4" and info["k3convert"]["complete"] is True
+    assert info["dtypes"]["I32"] == 72 and info["situ_in_shard_metadata"] == "3 of 3 shard(s)"
+    assert "plan" not in info
+    text = CliRunner().invoke(main, ["inspect", dst]).output
+    assert "k3convert int4 output" in text and "hidden_act=situ" in text
+
+
+def test_inspect_other_format(converted, tmp_path):
+    src, _ = converted
+    other = str(tmp_path / "fp8")
+    shutil.copytree(src, other)
+    cfg = _json(os.path.join(other, "config.json"))
+    cfg["text_config"]["quantization_config"] = {"quant_method": "fp8", "format": "float-quantized"}
+    write_json(os.path.join(other, "config.json"), cfg)
+    info = inspect_path(other)
+    assert info["format"] == "other" and "quant_method='fp8'" in info["description"]
+    assert CliRunner().invoke(main, ["inspect", str(tmp_path / "nope")]).exit_code == 2
