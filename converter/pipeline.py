@@ -269,6 +269,10 @@ def convert(src: str, dst: str | None = None, options: Options | None = None,
         signal.signal(signal.SIGTERM, old_term)
         locks.release()
     summary = finalize(dst, plan, options)
+    if summary.status == "failed-validation":  # also shards finished (unchecked) by earlier runs
+        w = summary.worst
+        raise ThresholdExceeded(f"relative RMSE {w['rel_rmse']:.4f} exceeds --max-rel-rmse {options.max_rel_rmse}",
+                                file=os.path.join(dst, plan.weight_map()[w["tensor"]]), tensor=w["tensor"])
     summary.seconds = time.perf_counter() - t0
     summary.bytes_in = sum(s.bytes_in for s in todo)
     return summary

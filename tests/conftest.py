@@ -1,0 +1,231 @@
+"""Shared fixtures for the end-to-end, CLI and bad-input tests.
+
+The source checkpoint is built ONCE per session, its MXFP4 tensors produced by
+compressed-tensors' own MXFP4 compressor (not by converter.formats.mxfp4), and converted
+ONCE per session; tests that mutate a checkpoint work on a copy (``src_copy``).
+Decoding in the tests goes through compressed-tensors and safetensors, never through the
+converter's own readers, unless a test compares the two on purpose.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compressed_tensors.compressors import MXFP4PackedCompressor
+from compressed_tensors.compressors.mx_utils import decompress_mx_scale
+from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from compressed_tensors.quantization import QuantizationScheme
+from compressed_tensors.quantization.quant_scheme import MXFP4A16
+from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+
+from converter.cli import main as cli_main
+from converter.fixture import FixtureSpec, make_fixture
+from converter.pipeline import Options, convert
+
+INDEX = "model.safetensors.index.json"
+MANIFEST = "k3convert_manifest.json"
+REPORT = "k3convert_report.json"
+TABLE = "k3convert_tensors.jsonl.zst"
+
+# Tiny but K3-shaped: layer 0 dense, layers 1..2 MoE; w1/w3 [64, 96], w2 [96, 64]
+# (in-dims 96 and 64, both multiples of 32, out != in so transposes would show).
+# Shard 0 holds no experts (a copy-only shard), shards 1 and 2 hold one MoE layer each.
+SPEC = FixtureSpec(layers=3, experts=4, hidden=64, inter=64, latent=96, shards=3, vocab=64, seed=1234)
+
+MXFP4_SCHEME = QuantizationScheme(targets=["Linear"], **MXFP4A16)
+
+
+def ct_mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [out, in] -> (packed uint8 [out, in/2], E8M0 uint8 [out, in/32]) by compressed-tensors.
+
+    Scales come from compressed-tensors' MX observer rule (generate_mx_scales), values are
+    quantized and packed by MXFP4PackedCompressor.compress (quantize -> pack_fp4_to_uint8,
+    compress_mx_scale). Row 0's first group is zeroed so every tensor has an all-zero block.
+    """
+    rows, cols = w.shape
+    w = w.clone()
+    w[0, :32] = 0
+    amax = w.reshape(rows, cols // 32, 32).abs().amax(-1)
+    exps = generate_mx_scales(amax).clamp(0, 254).to(torch.uint8)  # all-zero block: -inf -> 0
+    sd = MXFP4PackedCompressor.compress({"weight": w, "weight_scale": decompress_mx_scale(exps)}, MXFP4_SCHEME)
+    assert torch.equal(sd["weight_scale"], exps)  # compress_mx_scale round-trips the exponents
+    return sd["weight_packed"], sd["weight_scale"]
+
+
+# ---------------------------------------------------------------- independent decoders
+
+def ct_mxfp4_values(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4 -> float64 [out, in] with compressed-tensors' unpack_fp4_from_uint8/decompress_mx_scale."""
+    rows, half = packed.shape
+    v = unpack_fp4_from_uint8(packed, rows, half * 2, dtype=torch.float32).double()
+    return v * decompress_mx_scale(scale).double().repeat_interleave(32, dim=1)
+
+
+def ct_int4_q(packed: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+    """int4 codes q in [-8, 7] (int8) with compressed-tensors' unpack_from_int32."""
+    return unpack_from_int32(packed, 4, torch.Size(shape.tolist()))
+
+
+# ---------------------------------------------------------------- file helpers
+
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def tree_hash(root: str) -> dict[str, str]:
+    """relpath -> sha256 of every file under root (hidden ones included)."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = sha256(p)
+    return out
+
+
+def shard_names(root: str) -> list[str]:
+    return sorted(f for f in os.listdir(root) if f.endswith(".safetensors"))
+
+
+def raw_header(path: str) -> tuple[dict, int]:
+    """The safetensors header JSON and where data starts, parsed here by hand."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def load_shard(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(path, framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, (f.metadata() or {})
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def all_tensors(root: str) -> dict[str, tuple[str, torch.Tensor]]:
+    """name -> (shard file, tensor) over every shard in root."""
+    out = {}
+    for s in shard_names(root):
+        tensors, _ = load_shard(os.path.join(root, s))
+        for k, v in tensors.items():
+            assert k not in out, f"{k} in two shards"
+            out[k] = (s, v)
+    return out
+
+
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+def rewrite_shard(path: str, edit) -> None:
+    """Load a shard, let ``edit(tensors)`` change the dict in place, save it (metadata kept)."""
+    tensors, meta = load_shard(path)
+    edit(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=meta)
+
+
+def sync_index(root: str) -> None:
+    """Rewrite the index's weight_map and total_size from the shards actually there."""
+    index = read_json(os.path.join(root, INDEX))
+    wm, total = {}, 0
+    for s in shard_names(root):
+        tensors, _ = load_shard(os.path.join(root, s))
+        for k, v in tensors.items():
+            wm[k] = s
+            total += v.numel() * v.element_size()
+    index["weight_map"] = dict(sorted(wm.items()))
+    index["metadata"]["total_size"] = total
+    write_json(os.path.join(root, INDEX), index)
+
+
+def expert_modules(root: str) -> dict[str, str]:
+    """module -> shard file for every MXFP4 pair in a SOURCE checkpoint (from its index)."""
+    wm = read_json(os.path.join(root, INDEX))["weight_map"]
+    return {k[: -len(".weight_packed")]: s for k, s in wm.items() if k.endswith(".weight_packed")}
+
+
+# ---------------------------------------------------------------- CLI helpers
+
+def run_cli(*args: str):
+    """Invoke the k3convert CLI in-process; returns click's Result (stdout, stderr split)."""
+    return CliRunner().invoke(cli_main, [str(a) for a in args])
+
+
+def assert_clean_error(result, *needles: str, code: int, one_line: bool = True) -> str:
+    """Exit ``code``, no traceback, a 'k3convert: error:' message naming every needle."""
+    assert result.exit_code == code, (result.exit_code, result.output, result.exception)
+    assert isinstance(result.exception, SystemExit), f"uncaught {result.exception!r}"
+    err = result.stderr.strip()
+    assert err.startswith("k3convert: error: "), err
+    if one_line:
+        assert "\n" not in err, f"error is not one line:\n{err}"
+    assert "Traceback" not in result.output
+    for n in needles:
+        assert n in err, f"{n!r} not named in: {err}"
+    return err
+
+
+def assert_not_complete(dst: str) -> None:
+    """Nothing in DST looks like a finished conversion."""
+    if not os.path.exists(dst):
+        return
+    man = os.path.join(dst, MANIFEST)
+    if os.path.exists(man):
+        assert read_json(man).get("complete") is not True
+    for f in (INDEX, "config.json", REPORT):
+        assert not os.path.exists(os.path.join(dst, f)), f"{f} written to a failed DST"
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="session")
+def fixture_src(tmp_path_factory) -> str:
+    """The session's source checkpoint. Read-only by convention: mutate ``src_copy``."""
+    path = str(tmp_path_factory.mktemp("fixture") / "kimi-k3-mini")
+    make_fixture(path, SPEC, encoder=ct_mxfp4_encode)
+    return path
+
+
+@pytest.fixture
+def src_copy(fixture_src, tmp_path) -> str:
+    dst = str(tmp_path / "src")
+    shutil.copytree(fixture_src, dst)
+    return dst
+
+
+@dataclass
+class Converted:
+    src: str
+    dst: str
+    summary: object
+    events: list = field(default_factory=list)
+    src_before: dict = field(default_factory=dict)
+    src_after: dict = field(default_factory=dict)
+
+
+@pytest.fixture(scope="session")
+def converted(fixture_src, tmp_path_factory) -> Converted:
+    """fixture_src converted once with the library entry point and default options."""
+    dst = str(tmp_path_factory.mktemp("converted") / "kimi-k3-mini-int4")
+    before = tree_hash(fixture_src)
+    events: list = []
+    summary = convert(fixture_src, dst, Options(), lambda kind, f: events.append((kind, f)))
+    return Converted(fixture_src, dst, summary, events, before, tree_hash(fixture_src))

@@ -1,0 +1,107 @@
+"""The k3convert command line, driven through click's CliRunner."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import click
+
+from converter.cli import main
+from converter.pipeline import default_dst
+
+from conftest import INDEX, MANIFEST, REPORT, read_json, run_cli, sha256, shard_names
+
+
+def _long_opts(cmd: click.Command) -> list[str]:
+    return [o for p in cmd.params if isinstance(p, click.Option) for o in p.opts if o.startswith("--")]
+
+
+def test_help_lists_commands_and_options():
+    r = run_cli("--help")
+    assert r.exit_code == 0, r.output
+    for name in ("mxfp4-to-int4", "make-fixture", "demo"):
+        assert name in main.commands
+        assert re.search(rf"^\s+{re.escape(name)}\s", r.stdout, re.M), name
+    r = run_cli("mxfp4-to-int4", "--help")
+    assert r.exit_code == 0, r.output
+    opts = _long_opts(main.commands["mxfp4-to-int4"])
+    for o in ("--output", "--max-rel-rmse", "--overwrite", "--progress", "--devices", "--workers"):
+        assert o in opts
+    for o in opts:
+        assert o in r.stdout, o
+    assert "-o, --output" in r.stdout and "SRC" in r.stdout
+    r = run_cli("make-fixture", "--help")
+    assert r.exit_code == 0 and all(o in r.stdout for o in _long_opts(main.commands["make-fixture"]))
+
+
+def test_make_fixture_then_convert_to_default_dst(tmp_path):
+    src = tmp_path / "ckpt"
+    r = run_cli("make-fixture", src, "--layers", 3, "--experts", 2, "--shards", 2)
+    assert r.exit_code == 0, r.output
+    assert "wrote 2 shards" in r.stdout and str(src) in r.stdout
+    assert len(shard_names(src)) == 2 and os.path.exists(src / INDEX)
+
+    r = run_cli("mxfp4-to-int4", src, "--progress", "none")
+    assert r.exit_code == 0, (r.output, r.exception)
+    dst = tmp_path / "ckpt-int4"  # the sibling, not inside SRC
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt-int4"]
+    assert read_json(dst / MANIFEST)["complete"] is True
+    assert shard_names(dst) == shard_names(src)
+
+    lines = r.stdout.splitlines()
+    report_path = str(dst / REPORT)
+    assert f"report: {report_path}" in lines
+    report = read_json(report_path)
+    assert [layer["layer"] for layer in report["layers"]] == [1, 2]  # the MoE layers of 3
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["layer", "tensors"])
+    table = {int(line.split()[0]): line.split() for line in lines[head + 1:head + 1 + len(report["layers"])]}
+    for layer in report["layers"]:
+        row = table[layer["layer"]]
+        assert int(row[1]) == layer["tensors"]
+        assert row[2] == f"{layer['rel_rmse_mean']:.4f}" and row[3] == f"{layer['rel_rmse_worst']:.4f}"
+    assert any(line.startswith("complete:") and str(dst) in line for line in lines)
+
+
+def test_default_dst_ignores_trailing_slash(tmp_path):
+    assert default_dst(str(tmp_path / "m") + os.sep) == str(tmp_path / "m") + "-int4"
+
+
+def test_progress_json_events(fixture_src, converted, tmp_path):
+    dst = tmp_path / "dst"
+    r = run_cli("mxfp4-to-int4", fixture_src, "-o", dst, "--progress", "json")
+    assert r.exit_code == 0, r.output
+    events = [json.loads(line) for line in r.stderr.splitlines() if line.strip()]  # every line parses
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "plan" and kinds[-1] == "finished"
+    shards = shard_names(fixture_src)
+    plan = events[0]
+    assert plan["shards"] == plan["todo"] == len(shards)
+    assert sorted(e["shard"] for e in events if e["event"] == "start") == shards
+    done = [e for e in events if e["event"] == "done"]
+    assert sorted(e["shard"] for e in done) == shards
+    for e in done:  # each shard starts before it is done
+        start = next(i for i, x in enumerate(events) if x["event"] == "start" and x["shard"] == e["shard"])
+        assert start < events.index(e)
+        assert e["rel_rmse_worst"] >= 0
+    assert all(isinstance(e["time"], (int, float)) for e in events[:-1])  # progress events are timed
+    assert events[-1]["complete"] is True and events[-1]["dst"] == str(dst)
+    assert r.stdout == ""  # machine mode: nothing else on stdout
+    for s in shards:  # same bytes as the library conversion
+        assert sha256(dst / s) == sha256(os.path.join(converted.dst, s))
+
+
+def test_demo_dir(tmp_path):
+    work = tmp_path / "demo"
+    r = run_cli("demo", "--dir", work)
+    assert r.exit_code == 0, (r.output, r.exception)
+    src, dst = work / "kimi-k3-fixture", work / "kimi-k3-fixture-int4"
+    assert read_json(dst / MANIFEST)["complete"] is True
+    assert shard_names(dst) == shard_names(src) and shard_names(src)
+    assert f"report: {dst / REPORT}" in r.stdout.splitlines()
+    # again: reuses the fixture and replaces the conversion
+    before = {s: sha256(src / s) for s in shard_names(src)}
+    r = run_cli("demo", "--dir", work)
+    assert r.exit_code == 0, r.output
+    assert {s: sha256(src / s) for s in shard_names(src)} == before
+    assert read_json(dst / MANIFEST)["complete"] is True
