@@ -102,7 +102,7 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, sample_experts, over
         sys.exit(130)
     bar.close()
     if progress == "json":
-        click.echo(json.dumps({"event": "finished", "dst": summary.dst, "complete": summary.complete,
+        click.echo(json.dumps({"event": "finished", "time": round(time.time(), 3), "dst": summary.dst, "complete": summary.complete,
                                "seconds": round(summary.seconds, 3), "worst": summary.worst}), err=True)
         return
     click.echo(format_table(summary.layers))

@@ -220,7 +220,8 @@ def _worker(src: str, dst: str, device: str, quant, act, sample: tuple[int, int]
             sp = shard_plan(src, name, quant, act, [])
             res = conv.convert(sp, dst, lambda n: events.put(("bytes", {"n": n})))
         except ConvertError as e:
-            events.put(("error", {"shard": name, "message": str(e), "code": e.exit_code}))
+            events.put(("error", {"shard": name, "message": str(e), "code": e.exit_code,
+                                  "file": e.file, "tensor": e.tensor}))
             return
         except OSError as e:
             events.put(("error", {"shard": name, "code": 4,
@@ -253,15 +254,18 @@ def convert(src: str, dst: str | None = None, options: Options | None = None,
     plan = plan or build_plan(src)
     dst = os.path.abspath(dst or default_dst(plan.src))
     prepare_dst(plan, dst, options)
-    for f in os.listdir(dst):  # leftovers of a killed run never look complete; drop them
-        if f.endswith(".partial"):
-            os.unlink(os.path.join(dst, f))
     selected = [s for s in plan.shards if options.shards is None or s.name in options.shards]
     todo = [s for s in selected if shard_record(dst, s.name) is None]
     check_space(dst, sum(s.bytes_out for s in todo))
     locks = _Locks(dst, [s.name for s in todo])
+    todo = [s for s in todo if shard_record(dst, s.name) is None]  # a run that just ended may have done some
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
+        # leftovers of a killed run never look complete; drop them, but only of the shards
+        # locked above: a .partial of another shard may be another run's (--part) work in progress
+        for s in todo:
+            if os.path.exists(os.path.join(dst, s.name + ".partial")):
+                os.unlink(os.path.join(dst, s.name + ".partial"))
         _convert_shards(plan, dst, options, todo, len(selected), on_event)
     except KeyboardInterrupt:
         raise Interrupted("interrupted: finished shards are kept; run the same command to resume") from None
@@ -366,7 +370,9 @@ def _collect(events, remaining: set[str], procs, dst: str, plan: Plan, options: 
 def _handle(kind: str, f: dict, dst: str, plan: Plan, options: Options, on_event: Event) -> None:
     if kind == "error":
         on_event("error", f)
-        raise {2: BadInput, 4: OutputError}.get(f.get("code"), ConvertError)(f["message"])
+        err = {2: BadInput, 4: OutputError}.get(f.get("code"), ConvertError)(f["message"])
+        err.file, err.tensor = f.get("file"), f.get("tensor")
+        raise err
     if kind != "done":
         on_event(kind, f)
         return

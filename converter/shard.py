@@ -151,10 +151,11 @@ class ShardConverter:
         t0 = time.perf_counter()
         path = sp.header.path
         writer = ShardWriter(os.path.join(dst_dir, sp.name), sp.layout)
-        progress(sp.header.data_start)  # progress counts source bytes: the header, then tensors
         figs: list[TensorFigures] = []
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        fd = -1
+        try:  # from here on anything (Ctrl-C too) drops the .partial
+            progress(sp.header.data_start)  # progress counts source bytes: the header, then tensors
+            fd = os.open(path, os.O_RDONLY)
             with ThreadPoolExecutor(1, "k3-read") as rd, ThreadPoolExecutor(1, "k3-write") as wr:
                 units = _units(sp, self.batch_groups)
                 reads: deque[Future] = deque(rd.submit(self._read, fd, path, u) for u in islice(units, DEPTH))
@@ -180,7 +181,8 @@ class ShardConverter:
             writer.abort()
             raise
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         return ShardResult(sp.name, sha, sp.bytes_out, time.perf_counter() - t0, figs)
 
     @staticmethod

@@ -149,8 +149,13 @@ class ShardWriter:
         self._next = 0       # index of the tensor being written
         self._done = 0       # its bytes written so far
         self._hash = hashlib.sha256()
-        self._f = open(self.tmp, "wb", buffering=0)
-        self._write(layout.header)
+        self._f = None
+        try:
+            self._f = open(self.tmp, "wb", buffering=0)
+            self._write(layout.header)
+        except BaseException:  # ENOSPC on the first bytes, Ctrl-C: leave no .partial behind
+            self.abort()
+            raise
 
     def _write(self, data) -> None:
         view = memoryview(data).cast("B")
@@ -187,7 +192,7 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Drop the partial file (on error or interrupt)."""
-        if not self._f.closed:
+        if self._f is not None and not self._f.closed:
             self._f.close()
         if os.path.exists(self.tmp):
             os.unlink(self.tmp)
