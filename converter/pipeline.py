@@ -148,6 +148,8 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> None:
             if not options.overwrite:
                 what = "source files changed" if old.get("source") == plan.src else "another source or options"
                 raise OutputError(f"holds a different conversion ({what}): use --overwrite to replace it", file=dst)
+            held = [n[:-5] for n in os.listdir(_state(dst)) if n.endswith(".lock") and n != "manifest.lock"]
+            _Locks(dst, held).release()  # refuses if another run is converting any of them
             for name in os.listdir(dst):
                 p = os.path.join(dst, name)
                 shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
@@ -313,7 +315,7 @@ def _convert_shards(plan: Plan, dst: str, options: Options, todo: list[ShardPlan
     if not todo:
         return
     experts = 1 + max((c.expert or 0) for s in plan.shards for c in s.converts)
-    sample = (max(1, experts // max(1, options.sample_experts)), options.sample_experts)
+    sample = (max(1, -(-experts // max(1, options.sample_experts))), options.sample_experts)
     ordered = [s.name for s in sorted(todo, key=lambda s: -s.bytes_in)]
     if len(devices) == 1:  # in-process: no start-up cost, same events
         tasks: queue.Queue = queue.Queue()

@@ -41,7 +41,7 @@ def drop_caches() -> bool:
         return False
 
 
-def kernel_rate(groups: int = 1 << 27) -> dict:
+def kernel_rate(groups: int = 1 << 26) -> dict:
     """Kernel bytes (17 in + 18 out per group) per second vs a same-size device copy."""
     import triton.testing
 

@@ -32,17 +32,24 @@ def _packed_tables():
         score[lv, :, :len(ix)] = class_int_scores(t.score[:, ix], lv)
         init[lv, :len(ix)] = 0
         members[lv, :len(ix)] = ix
-    return (score, init, members, t.byte_map, t.exp, t.mant,
+    # +L and -L score alike except where the int4 range clamps asymmetrically (-8 vs 7): fold
+    # each magnitude's two codes into one row and keep the (rare) -L difference apart.
+    # int32 arithmetic wraps modulo 2**32, and the true sum fits, so the fold stays exact.
+    fold = score[:, :8, :].copy()
+    diff = score[:, 8:, :] - score[:, :8, :]
+    has_diff = np.any(diff != 0, axis=2)
+    score = (fold, diff, has_diff)
+    return (*score, init, members, t.byte_map, t.exp, t.mant,
             np.ascontiguousarray(t.err2.T), np.ascontiguousarray(t.abserr.T), E2M1_VALUES**2,
             np.ldexp(1.0, np.arange(256) - 127))
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _run(packed, scales, out, out_scale, partial, score, init, members, byte_map, exp, mant,
+def _run(packed, scales, out, out_scale, partial, fold, diff, has_diff, init, members, byte_map, exp, mant,
          err2_t, abserr_t, ref2, units):  # pragma: no cover - compiled
     n = packed.shape[0]
     nchunks = (n + CHUNK - 1) // CHUNK
-    kpad = score.shape[2]
+    kpad = fold.shape[2]
     for ci in numba.prange(nchunks):
         hist = np.zeros(16, dtype=np.int32)
         sc = np.empty(kpad, dtype=np.int32)
@@ -66,11 +73,15 @@ def _run(packed, scales, out, out_scale, partial, score, init, members, byte_map
             if level > 0:
                 for j in range(kpad):
                     sc[j] = init[level, j]
-                for c in range(16):
-                    h = hist[c]
-                    if h > 0 and c != 0 and c != 8:
+                for mag in range(1, level + 1):
+                    h = hist[mag] + hist[mag + 8]
+                    if h > 0:
                         for j in range(kpad):
-                            sc[j] += h * score[level, c, j]
+                            sc[j] += h * fold[level, mag, j]
+                    h = hist[mag + 8]
+                    if h > 0 and has_diff[level, mag]:
+                        for j in range(kpad):
+                            sc[j] += h * diff[level, mag, j]
                 low = sc[0]
                 for j in range(kpad):  # a vectorized min, then its first index: the tie rule
                     low = min(low, sc[j])
@@ -137,7 +148,7 @@ def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | 
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _matvec_error(packed, scales, out, out_scale_bits, cols, x, lut):  # pragma: no cover - compiled
+def _matvec_error(packed, scales, out, out_scale, cols, x, lut):  # pragma: no cover - compiled
     gpr = cols // 32  # groups per row
     rows = packed.shape[0] // gpr
     num = np.zeros(rows)
@@ -148,8 +159,7 @@ def _matvec_error(packed, scales, out, out_scale_bits, cols, x, lut):  # pragma:
         for gi in range(gpr):
             g = r * gpr + gi
             unit = math.ldexp(1.0, np.int64(scales[g]) - 127)
-            bits = np.uint32(np.uint16(out_scale_bits[g])) << 16
-            sq = np.array([bits], dtype=np.uint32).view(np.float32)[0]
+            sq = out_scale[g]
             acc = 0.0
             accq = 0.0
             for j in range(16):
@@ -169,6 +179,6 @@ def _matvec_error(packed, scales, out, out_scale_bits, cols, x, lut):  # pragma:
 def output_error(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, out_scales: torch.Tensor,
                  cols: int, x: torch.Tensor) -> float:
     """||(W_int4 - W) x|| / ||W x|| for one matrix given as groups, without decoding it whole."""
-    num, den = _matvec_error(packed.numpy(), scales.numpy(), out.numpy(), out_scales.view(torch.int16).numpy(),
+    num, den = _matvec_error(packed.numpy(), scales.numpy(), out.numpy(), out_scales.double().numpy(),
                              cols, x.double().numpy(), E2M1_VALUES)
     return num / den if den > 0 else 0.0
