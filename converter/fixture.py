@@ -69,11 +69,10 @@ def config(spec: FixtureSpec) -> dict:
 def _tensors(spec: FixtureSpec) -> Iterator[tuple[int, str, tuple[int, int], str]]:
     """(shard, name, shape, kind) for every tensor; kind is 'bf16' or 'mxfp4'."""
     h, lat, inter = spec.hidden, spec.latent, spec.inter
-    per = -(-spec.layers // spec.shards)
     yield 0, f"{PREFIX}.embed_tokens.weight", (spec.vocab, h), "bf16"
     yield 0, "vision_tower.patch_embed.proj.weight", (h, 64), "bf16"
     for layer in range(spec.layers):
-        shard = min(layer // per, spec.shards - 1)
+        shard = layer * spec.shards // spec.layers  # every shard gets at least one layer
         p = f"{PREFIX}.layers.{layer}"
         yield shard, f"{p}.input_layernorm.weight", (1, h), "bf16"
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -109,6 +108,8 @@ def make_fixture(dst: str, spec: FixtureSpec = FixtureSpec(), encoder: Encoder =
 
     ``device="cuda"`` draws and encodes the weights on a GPU: tens of GB in a minute.
     """
+    if not 1 <= spec.shards <= spec.layers:
+        raise ValueError(f"shards ({spec.shards}) must be between 1 and layers ({spec.layers})")
     os.makedirs(dst, exist_ok=True)
     gen = torch.Generator(device).manual_seed(spec.seed)
     plan: dict[int, list[tuple[str, tuple[int, int], str]]] = {}

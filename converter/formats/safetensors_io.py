@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..errors import BadInput
@@ -132,6 +133,9 @@ class Layout:
         return len(self.header) + self.data_size
 
 
+_HASHER = ThreadPoolExecutor(1, "k3-sha256")
+
+
 class ShardWriter:
     """Writes a Layout's tensors in order to ``<path>.partial``, then fsyncs and renames.
 
@@ -159,10 +163,16 @@ class ShardWriter:
 
     def _write(self, data) -> None:
         view = memoryview(data).cast("B")
-        self._hash.update(view)
+        # hash on a second thread while this one writes: both release the GIL, so a piece
+        # costs max(hash, write) rather than their sum
+        hashed = _HASHER.submit(self._hash.update, view) if view.nbytes >= 1 << 20 else None
+        if hashed is None:
+            self._hash.update(view)
         while view:
             n = self._f.write(view)
             view = view[n:]
+        if hashed is not None:
+            hashed.result()
 
     def write(self, name: str, data) -> None:
         """Write (the next piece of) tensor ``name``, which must be the one the layout expects."""

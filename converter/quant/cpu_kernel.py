@@ -126,15 +126,21 @@ def _run(packed, scales, out, out_scale, partial, fold, diff, has_diff, init, me
         partial[ci, 4] = bad
 
 
-def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | None = None) -> Result:
-    """Same contract and bytes as ``requant.requantize``, for CPU tensors, much faster."""
+def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | None = None,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Result:
+    """Same contract and bytes as ``requant.requantize``, for CPU tensors, much faster.
+
+    ``out``: (uint8 [G, 16], bf16 [G]) buffers to write into, e.g. reused ones.
+    """
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8 or packed.dim() != 2 \
             or packed.shape[1] != 16 or scales.shape != packed.shape[:1]:
         raise ValueError(f"expected uint8 packed [G, 16] and scales [G], got {tuple(packed.shape)}, {tuple(scales.shape)}")
     offsets = list(offsets) if offsets is not None else [0, packed.shape[0]]
     p, s = packed.numpy(), scales.numpy()
-    out = np.empty_like(p)
-    out_scale = np.empty(s.shape, dtype=np.int16)
+    if out is None:
+        out = (torch.empty_like(packed), torch.empty(scales.shape, dtype=torch.bfloat16))
+    result_packed, result_scales = out
+    out, out_scale = result_packed.numpy(), result_scales.view(torch.int16).numpy()
     stats = np.zeros((len(offsets) - 1, len(STAT_FIELDS)))
     tabs = _packed_tables()
     for ti, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
@@ -144,7 +150,7 @@ def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | 
         _run(p[lo:hi], s[lo:hi], out[lo:hi], out_scale[lo:hi], partial, *tabs)
         stats[ti] = partial.sum(0)
         stats[ti, 2] = partial[:, 2].max()
-    return Result(torch.from_numpy(out), torch.from_numpy(out_scale).view(torch.bfloat16), torch.from_numpy(stats))
+    return Result(result_packed, result_scales, torch.from_numpy(stats))
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)

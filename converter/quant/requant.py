@@ -87,7 +87,8 @@ def _chunk(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     return out, bits.to(torch.int16), figures
 
 
-def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | None = None) -> Result:
+def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | None = None,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Result:
     """Requantize a batch of tensors given as ``G`` groups (CPU reference).
 
     ``offsets``: group index where each tensor starts, plus ``G`` at the end (default: one
@@ -100,17 +101,21 @@ def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | 
         raise ValueError(
             f"expected packed [G, 16] and scales [G], got {tuple(packed.shape)} and {tuple(scales.shape)}")
     offsets = list(offsets) if offsets is not None else [0, packed.shape[0]]
-    out = torch.empty_like(packed)
+    result = torch.empty_like(packed)
     out_scale = torch.empty(scales.shape, dtype=torch.int16)
     stats = torch.zeros(len(offsets) - 1, len(STAT_FIELDS), dtype=torch.float64)
     for ti, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
         for lo in range(start, end, CHUNK_GROUPS):
             hi = min(lo + CHUNK_GROUPS, end)
-            out[lo:hi], out_scale[lo:hi], fig = _chunk(packed[lo:hi], scales[lo:hi])
+            result[lo:hi], out_scale[lo:hi], fig = _chunk(packed[lo:hi], scales[lo:hi])
             row = stats[ti]
             row[0] += fig[0]
             row[1] += fig[1]
             row[2] = max(float(row[2]), fig[2])
             row[3] += fig[3]
             row[4] += fig[4]
-    return Result(out, out_scale.view(torch.bfloat16), stats)
+    if out is None:
+        return Result(result, out_scale.view(torch.bfloat16), stats)
+    out[0].copy_(result)  # same interface as the fast kernels: fill the caller's buffers
+    out[1].view(torch.int16).copy_(out_scale)
+    return Result(out[0], out[1], stats)
