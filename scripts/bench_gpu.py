@@ -77,6 +77,7 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=20.0, help="size of the MXFP4 checkpoint to build")
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--skip-cpu", action="store_true")
+    ap.add_argument("--cold-only", action="store_true", help="only the cold-cache runs (saves device time)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     res: dict = {"date": time.strftime("%Y-%m-%d"), "gpus": torch.cuda.device_count(),
@@ -110,14 +111,16 @@ def main() -> int:
     # is complete only when durable), so the like-for-like copy is cp followed by sync
     run("cp_sync_cold", ["sh", "-c", f"cp -r {src} {cp_dst} && sync"], cp_dst, cold=True)
     run("convert_1gpu_cold", conv + ["--devices", "cuda:0"], out, cold=True)
-    run("cp_warm", ["cp", "-r", src, cp_dst], cp_dst, cold=False)
-    run("cp_sync_warm", ["sh", "-c", f"cp -r {src} {cp_dst} && sync"], cp_dst, cold=False)
-    run("convert_1gpu_warm", conv + ["--devices", "cuda:0"], out, cold=False)
+    if not args.cold_only:
+        run("cp_warm", ["cp", "-r", src, cp_dst], cp_dst, cold=False)
+        run("cp_sync_warm", ["sh", "-c", f"cp -r {src} {cp_dst} && sync"], cp_dst, cold=False)
+        run("convert_1gpu_warm", conv + ["--devices", "cuda:0"], out, cold=False)
     if torch.cuda.device_count() > 1:
         devs = ",".join(f"cuda:{i}" for i in range(torch.cuda.device_count()))
         run("convert_allgpu_cold", conv + ["--devices", devs], out, cold=True)
-        run("convert_allgpu_warm", conv + ["--devices", devs], out, cold=False)
-        res["scaling_warm"] = res["convert_1gpu_warm"]["s"] / res["convert_allgpu_warm"]["s"]
+        if not args.cold_only:
+            run("convert_allgpu_warm", conv + ["--devices", devs], out, cold=False)
+            res["scaling_warm"] = res["convert_1gpu_warm"]["s"] / res["convert_allgpu_warm"]["s"]
     if not args.skip_cpu:
         run("convert_cpu_warm", conv + ["--devices", "cpu", "--workers", str(max(1, (os.cpu_count() or 2) // 2))],
             out, cold=False)

@@ -134,6 +134,8 @@ class Layout:
 
 
 _HASHER = ThreadPoolExecutor(1, "k3-sha256")
+_SYNCER = ThreadPoolExecutor(1, "k3-fdatasync")
+SYNC_EVERY = 256 << 20  # start flushing to disk while writing, so close() has little left
 
 
 class ShardWriter:
@@ -153,6 +155,8 @@ class ShardWriter:
         self._next = 0       # index of the tensor being written
         self._done = 0       # its bytes written so far
         self._hash = hashlib.sha256()
+        self._unsynced = 0
+        self._sync = None
         self._f = None
         try:
             self._f = open(self.tmp, "wb", buffering=0)
@@ -168,11 +172,14 @@ class ShardWriter:
         hashed = _HASHER.submit(self._hash.update, view) if view.nbytes >= 1 << 20 else None
         if hashed is None:
             self._hash.update(view)
+        self._unsynced += view.nbytes
         while view:
             n = self._f.write(view)
             view = view[n:]
         if hashed is not None:
             hashed.result()
+        if self._unsynced >= SYNC_EVERY and (self._sync is None or self._sync.done()):
+            self._sync, self._unsynced = _SYNCER.submit(os.fdatasync, self._f.fileno()), 0
 
     def write(self, name: str, data) -> None:
         """Write (the next piece of) tensor ``name``, which must be the one the layout expects."""
@@ -195,6 +202,8 @@ class ShardWriter:
             self._next += 1
         if self._next != len(self.layout.tensors):
             raise RuntimeError(f"{self.path}: {len(self.layout.tensors) - self._next} tensors not written")
+        if self._sync is not None:
+            self._sync.result()
         os.fsync(self._f.fileno())
         self._f.close()
         os.replace(self.tmp, self.path)
@@ -202,6 +211,8 @@ class ShardWriter:
 
     def abort(self) -> None:
         """Drop the partial file (on error or interrupt)."""
+        if self._sync is not None:
+            self._sync.exception()  # wait: never close the fd under a running fdatasync
         if self._f is not None and not self._f.closed:
             self._f.close()
         if os.path.exists(self.tmp):
