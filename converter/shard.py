@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .errors import BadInput
-from .plan import PACKED, SCALE, SHAPE, Convert, Copy, ShardPlan
+from .plan import PACKED, SCALE, SHAPE, Convert, ShardPlan
 from .quant.requant import STAT_FIELDS, Result
 from .quant.cpu_kernel import output_error as cpu_output_error
 from .validate import TensorFigures, figures, output_error, probe

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import filecmp
-import hashlib
 import json
 import os
 import queue
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import sha256, shard_names, tree_hash
 
 import converter.fixture as fixture_mod
 from converter import pipeline
@@ -69,24 +69,6 @@ def _make_source(path: str, spec: FixtureSpec) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fixture_mod, "_student_t", values, raising=False)
         make_fixture(path, spec, encoder=encode)
-
-
-def _sha(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def tree_hash(root: str) -> dict[str, str]:
-    out = {}
-    for d, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(d, f)
-            out[os.path.relpath(p, root)] = _sha(p)
-    return out
-
-
-def shard_names(root: str) -> list[str]:
-    return sorted(f for f in os.listdir(root) if f.endswith(".safetensors"))
 
 
 def partials(dst: str) -> list[str]:
@@ -622,10 +604,10 @@ def test_parts_then_finalize(small, tmp_path):
     r = run_cli("mxfp4-to-int4", src, "-o", dst, "--part", "1/2", "--progress", "none", "--devices", "cpu")
     assert r.exit_code == 0 and r.stdout.splitlines()[-2].startswith("complete:"), r.output
     assert_same_output(dst, ref)
-    before = {f: _sha(os.path.join(dst, f)) for f in shard_names(dst) + [INDEX, "config.json"]}
+    before = {f: sha256(os.path.join(dst, f)) for f in shard_names(dst) + [INDEX, "config.json"]}
     r = run_cli("finalize", dst)
     assert r.exit_code == 0 and r.stdout.startswith("complete:"), r.output
-    assert {f: _sha(os.path.join(dst, f)) for f in before} == before
+    assert {f: sha256(os.path.join(dst, f)) for f in before} == before
     assert_same_output(dst, ref)
     assert tree_hash(src) == src_hash
 

@@ -22,7 +22,7 @@ CHUNK = 4096  # groups per parallel work item
 
 @functools.cache
 def _packed_tables():
-    """Class-major tables: int32 score[level, code, j] for the j-th member of the level's class."""
+    """Class-major int32 tables, indexed [level, magnitude, j] for the j-th member of the class."""
     t = tables()
     kpad = -(-max(len(ix) for ix in t.members.values()) // 16) * 16  # whole SIMD vectors
     score = np.zeros((8, 16, kpad), dtype=np.int32)
@@ -38,8 +38,7 @@ def _packed_tables():
     fold = score[:, :8, :].copy()
     diff = score[:, 8:, :] - score[:, :8, :]
     has_diff = np.any(diff != 0, axis=2)
-    score = (fold, diff, has_diff)
-    return (*score, init, members, t.byte_map, t.exp, t.mant,
+    return (fold, diff, has_diff, init, members, t.byte_map, t.exp, t.mant,
             np.ascontiguousarray(t.err2.T), np.ascontiguousarray(t.abserr.T), E2M1_VALUES**2,
             np.ldexp(1.0, np.arange(256) - 127))
 
