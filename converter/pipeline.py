@@ -42,7 +42,7 @@ class Options:
     devices: list[str] | None = None  # None: every visible GPU, else CPU
     workers: int = 1             # CPU processes when converting on the CPU
     overwrite: bool = False
-    batch_groups: int | None = None   # groups per requantize call [default: 2**18 CPU, 2**21 GPU]
+    batch_groups: int | None = None   # groups per requantize call [default: 2**20 CPU, 2**21 GPU]
     shards: list[str] | None = None   # convert only these (batch jobs); None: all
 
     def identity(self) -> dict[str, Any]:
@@ -210,7 +210,7 @@ def _worker(src: str, dst: str, device: str, quant, act, sample: tuple[int, int]
         torch.cuda.set_device(torch.device(device))
     stride, per_layer = sample
     conv = ShardConverter(requantizer(device), device,
-                          batch_groups or (1 << 18 if device.startswith("cpu") else 1 << 21),
+                          batch_groups or (1 << 20 if device.startswith("cpu") else 1 << 21),
                           lambda c: c.expert is None or (per_layer > 0 and c.expert % stride == 0))
     while True:
         try:
