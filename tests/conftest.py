@@ -229,3 +229,16 @@ def converted(fixture_src, tmp_path_factory) -> Converted:
     events: list = []
     summary = convert(fixture_src, dst, Options(), lambda kind, f: events.append((kind, f)))
     return Converted(fixture_src, dst, summary, events, before, tree_hash(fixture_src))
+
+
+@pytest.fixture(scope="session")
+def converted_default(tmp_path_factory):
+    """(src, dst): the default K3-shaped fixture and its conversion, made once per session."""
+    from converter.fixture import FixtureSpec, make_fixture
+    from converter.pipeline import Options, convert
+
+    root = tmp_path_factory.mktemp("k3default")
+    src, dst = str(root / "src"), str(root / "dst")
+    make_fixture(src, FixtureSpec())
+    convert(src, dst, Options())
+    return src, dst

@@ -21,7 +21,6 @@ from converter.fixture import FixtureSpec, make_fixture
 from converter.formats import mxfp4
 from converter.inspect import inspect_path
 from converter.manifest import MANIFEST, read_rows, sha256_file, write_json, write_rows
-from converter.pipeline import Options, convert
 from converter.plan import build_plan
 from converter.verify import _all_bf16_scales, brute_force_min, spread, verify
 
@@ -29,14 +28,9 @@ INDEX = "model.safetensors.index.json"
 TABLE = "k3convert_tensors.jsonl.zst"
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """(src, dst): the fixture and its conversion, made once for the module."""
-    root = tmp_path_factory.mktemp("k3")
-    src, dst = str(root / "src"), str(root / "dst")
-    make_fixture(src, FixtureSpec())
-    convert(src, dst, Options())
-    return src, dst
+@pytest.fixture
+def converted(converted_default):
+    return converted_default
 
 
 @pytest.fixture
