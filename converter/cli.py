@@ -102,8 +102,9 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, sample_experts, over
         sys.exit(130)
     bar.close()
     if progress == "json":
-        click.echo(json.dumps({"event": "finished", "time": round(time.time(), 3), "dst": summary.dst, "complete": summary.complete,
-                               "seconds": round(summary.seconds, 3), "worst": summary.worst}), err=True)
+        click.echo(json.dumps({"event": "finished", "time": round(time.time(), 3), "dst": summary.dst,
+                               "complete": summary.complete, "seconds": round(summary.seconds, 3),
+                               "worst": summary.worst}), err=True)
         return
     click.echo(format_table(summary.layers))
     rate = summary.bytes_in / summary.seconds / 1e9 if summary.seconds else 0
@@ -157,10 +158,8 @@ def demo(ctx, workdir) -> None:
     workdir = workdir or tempfile.mkdtemp(prefix="k3convert-demo-")
     src = os.path.join(workdir, "kimi-k3-fixture")
     if not os.path.exists(src):
-        ctx.invoke(make_fixture_cmd, dst=src, layers=4, experts=8, shards=3, real_dims=False, seed=0, device="cpu")
-    ctx.invoke(mxfp4_to_int4, src=src, dst=os.path.join(workdir, "kimi-k3-fixture-int4"), max_rel_rmse=0.15,
-               devices=None, workers=1, sample_experts=4, overwrite=True, progress="bar")
-
+        ctx.invoke(make_fixture_cmd, dst=src)  # every other option at its default
+    ctx.invoke(mxfp4_to_int4, src=src, dst=os.path.join(workdir, "kimi-k3-fixture-int4"), overwrite=True)
 
 
 @main.command("verify")
