@@ -8,6 +8,8 @@ subprocesses on a K3-shaped checkpoint with the real expert dims, cold start inc
 peak RSS is the largest sum over each process tree, sampled every 20 ms.
 
     python scripts/bench_cpu.py [--src DIR] [--baseline-python /tmp/llmc_venv/bin/python]
+
+Needs psutil (pip install psutil) besides k3convert, and the baseline venv (BENCHMARKS.md).
 """
 from __future__ import annotations
 
