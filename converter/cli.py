@@ -11,6 +11,7 @@ import click
 
 from . import __version__
 from .errors import ConvertError
+from .manifest import REPORT
 
 
 class _Progress:
@@ -112,7 +113,7 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, sample_experts, over
         f"{summary.shards_done}/{summary.shards_total} shards done (the run that converts the last one completes DST)"
     click.echo(f"{state}: {summary.tensors} tensors in {summary.seconds:.1f} s ({rate:.2f} GB/s) -> {summary.dst}")
     if summary.status != "partial":
-        click.echo(f"report: {os.path.join(summary.dst, 'k3convert_report.json')}")
+        click.echo(f"report: {os.path.join(summary.dst, REPORT)}")
 
 
 @main.command()

@@ -12,7 +12,7 @@ from typing import Any
 from .errors import BadInput, ConvertError
 from .formats import checkpoint as ckpt
 from .formats.safetensors_io import read_header
-from .manifest import MANIFEST, read_json
+from .manifest import MANIFEST, REPORT, read_json
 from .plan import PACKED
 
 MXFP4_SOURCE = "mxfp4-source"
@@ -55,13 +55,7 @@ def _detect(blocks: list[tuple[tuple[str, ...], dict]], has_manifest: bool) -> t
 
 
 def _situ(config: dict) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key in ckpt.SITU_FIELDS:
-        for where, scope in (("text_config", config.get("text_config") or {}), ("top-level", config)):
-            if key in scope:
-                out[key] = {"value": scope[key], "where": where}
-                break
-    return out
+    return {k: {"value": v, "where": w} for k, (v, w) in ckpt.activation_fields(config).items()}
 
 
 def _shard_file(path: str) -> dict[str, Any]:
@@ -140,7 +134,7 @@ def inspect_path(path: str) -> dict[str, Any]:
     if manifest is not None:
         report = None
         try:
-            report = read_json(os.path.join(path, "k3convert_report.json"))
+            report = read_json(os.path.join(path, REPORT))
         except ConvertError:
             pass
         info["k3convert"] = {

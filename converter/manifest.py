@@ -17,6 +17,8 @@ import zstandard
 from .errors import OutputError
 
 MANIFEST = "k3convert_manifest.json"
+REPORT = "k3convert_report.json"            # per-layer error summary, written by finalize
+TENSOR_TABLE = "k3convert_tensors.jsonl.zst"  # every converted tensor's figures
 STATE_DIR = ".k3convert"  # per-shard figure tables and the lock, inside DST
 
 
@@ -75,29 +77,28 @@ def read_rows(path: str) -> list[dict]:
     return [json.loads(line) for line in raw.splitlines() if line]
 
 
-class Lock:
-    """An exclusive lock on DST: a second run on the same DST is refused, not interleaved."""
+class ShardLocks:
+    """Exclusive flocks on the shards a run converts, in DST's state folder.
 
-    def __init__(self, dst: str):
-        os.makedirs(os.path.join(dst, STATE_DIR), exist_ok=True)
-        self.path = os.path.join(dst, STATE_DIR, "lock")
-        self._f = open(self.path, "a+")
+    A second run that wants any of them is refused at once; runs on disjoint shards (job
+    array parts) share a DST. The kernel drops a flock when its holder dies, kill -9 too.
+    """
+
+    def __init__(self, dst: str, names: list[str]):
+        self.files = []
         try:
-            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._f.close()
-            raise OutputError("another k3convert run holds this output directory", file=dst) from None
-        self._f.seek(0)
-        self._f.truncate()
-        self._f.write(f"{os.getpid()}\n")
-        self._f.flush()
+            for n in names:
+                f = open(os.path.join(dst, STATE_DIR, n + ".lock"), "a+")
+                self.files.append(f)
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise OutputError("another k3convert run is converting it", file=os.path.join(dst, n)) from None
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
-        fcntl.flock(self._f, fcntl.LOCK_UN)
-        self._f.close()
-
-    def __enter__(self) -> "Lock":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+        for f in self.files:
+            f.close()  # closing drops the flock
+        self.files = []

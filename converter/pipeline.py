@@ -24,13 +24,11 @@ import torch
 from . import __version__
 from .errors import BadInput, ConvertError, Interrupted, OutputError, ThresholdExceeded
 from .formats import checkpoint as ckpt
-from .manifest import (MANIFEST, STATE_DIR, file_fingerprint, read_json, read_rows, write_json,
-                       write_rows)
+from .manifest import (MANIFEST, REPORT, STATE_DIR, TENSOR_TABLE, ShardLocks, file_fingerprint, read_json,
+                       read_rows, write_json, write_rows)
 from .plan import Plan, ShardPlan, build_plan, shard_plan
 from .validate import TensorFigures, layer_summary
 
-REPORT = "k3convert_report.json"
-TENSOR_TABLE = "k3convert_tensors.jsonl.zst"
 SOURCE_FORMAT = "compressed-tensors mxfp4-pack-quantized"
 TARGET_FORMAT = "compressed-tensors pack-quantized int4 group 32 symmetric, bf16 scales"
 
@@ -116,6 +114,10 @@ def select_shards(names: list[str], spec: str | None = None, part: str | None = 
     return chosen
 
 
+def _selected(plan: Plan, options: Options) -> list[ShardPlan]:
+    return [s for s in plan.shards if options.shards is None or s.name in options.shards]
+
+
 def _inside(a: str, b: str) -> bool:
     a, b = os.path.realpath(a), os.path.realpath(b)
     return a == b or a.startswith(b + os.sep)
@@ -149,7 +151,7 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> None:
                 what = "source files changed" if old.get("source") == plan.src else "another source or options"
                 raise OutputError(f"holds a different conversion ({what}): use --overwrite to replace it", file=dst)
             held = [n[:-5] for n in os.listdir(_state(dst)) if n.endswith(".lock") and n != "manifest.lock"]
-            _Locks(dst, held).release()  # refuses if another run is converting any of them
+            ShardLocks(dst, held).release()  # refuses if another run is converting any of them
             for name in os.listdir(dst):
                 p = os.path.join(dst, name)
                 shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
@@ -176,29 +178,6 @@ def shard_record(dst: str, name: str) -> dict | None:
     if rec is None or not os.path.exists(path) or file_fingerprint(path) != rec["output"]:
         return None
     return rec
-
-
-class _Locks:
-    """Exclusive flocks on the shards this run converts: a second run on them is refused."""
-
-    def __init__(self, dst: str, names: list[str]):
-        self.files = []
-        try:
-            for n in names:
-                f = open(_state(dst, n + ".lock"), "a+")
-                self.files.append(f)
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    raise OutputError("another k3convert run is converting it", file=os.path.join(dst, n)) from None
-        except BaseException:
-            self.release()
-            raise
-
-    def release(self) -> None:
-        for f in self.files:
-            f.close()  # closing drops the flock
-        self.files = []
 
 
 def _worker(src: str, dst: str, device: str, quant, act, sample: tuple[int, int],
@@ -256,10 +235,10 @@ def convert(src: str, dst: str | None = None, options: Options | None = None,
     plan = plan or build_plan(src)
     dst = os.path.abspath(dst or default_dst(plan.src))
     prepare_dst(plan, dst, options)
-    selected = [s for s in plan.shards if options.shards is None or s.name in options.shards]
+    selected = _selected(plan, options)
     todo = [s for s in selected if shard_record(dst, s.name) is None]
     check_space(dst, sum(s.bytes_out for s in todo))
-    locks = _Locks(dst, [s.name for s in todo])
+    locks = ShardLocks(dst, [s.name for s in todo])
     todo = [s for s in todo if shard_record(dst, s.name) is None]  # a run that just ended may have done some
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -287,7 +266,7 @@ def convert(src: str, dst: str | None = None, options: Options | None = None,
 def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
     """What a run would do (``--dry-run``): nothing is written."""
     dst = os.path.abspath(dst)
-    selected = [s for s in plan.shards if options.shards is None or s.name in options.shards]
+    selected = _selected(plan, options)
     done = [s.name for s in selected if os.path.isdir(dst) and shard_record(dst, s.name)]
     todo = [s for s in selected if s.name not in done]
     probe = dst

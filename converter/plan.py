@@ -67,6 +67,7 @@ class ShardPlan:
     name: str                 # file name, the same in SRC and DST
     header: Header
     items: list[Item]         # in source data order
+    metadata: dict[str, str]  # the output shard's safetensors metadata
     layout: Layout = field(init=False)
 
     def __post_init__(self) -> None:
@@ -74,10 +75,7 @@ class ShardPlan:
         for it in self.items:
             tensors += it.outputs() if isinstance(it, Convert) else [
                 OutTensor(it.info.name, it.info.dtype, it.info.shape)]
-        self.layout = Layout(tensors, {})
-
-    def set_metadata(self, metadata: dict[str, str]) -> None:
-        self.layout = Layout(self.layout.tensors, metadata)
+        self.layout = Layout(tensors, self.metadata)
 
     @property
     def converts(self) -> list[Convert]:
@@ -169,9 +167,7 @@ def shard_plan(src: str, shard: str, quant: ckpt.SourceQuant, act: dict[str, Any
                problems: list[str]) -> ShardPlan:
     """One shard's plan from its header (also used by worker processes, from the name alone)."""
     header = read_header(os.path.join(src, shard))
-    sp = ShardPlan(shard, header, _shard_items(header, quant, problems))
-    sp.set_metadata(shard_metadata(header.metadata, act))
-    return sp
+    return ShardPlan(shard, header, _shard_items(header, quant, problems), shard_metadata(header.metadata, act))
 
 
 def build_plan(src: str) -> Plan:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .errors import BadInput
+from .formats.safetensors_io import ShardWriter
 from .plan import PACKED, SCALE, SHAPE, Convert, ShardPlan
 from .quant.requant import STAT_FIELDS, Result
 from .quant.cpu_kernel import output_error as cpu_output_error
@@ -173,10 +174,11 @@ class ShardConverter:
                 raise BadInput(f"{int(st[oor_col])} group(s) need an int4 scale outside bf16's normal range "
                                "(E8M0 exponent too close to 0 or 254)", file=path, tensor=c.scale.name)
             out_rel = None
-            if self.sample(c) and dev.type == "cpu":
+            sampled = self.sample(c)
+            if sampled and dev.type == "cpu":
                 out_rel = cpu_output_error(batch.packed[lo:hi], batch.scales[lo:hi], out_packed[lo:hi],
                                            out_scales[lo:hi], c.cols, probe(c.cols))
-            elif self.sample(c):
+            elif sampled:
                 out_rel = output_error(
                     packed[lo:hi].reshape(c.rows, c.cols // 2), scales[lo:hi].reshape(c.rows, c.cols // 32),
                     res.packed[lo:hi].reshape(c.rows, -1).view(torch.int32),
@@ -192,8 +194,6 @@ class ShardConverter:
 
     def convert(self, sp: ShardPlan, dst_dir: str, progress: Callable[[int], None] = lambda n: None) -> ShardResult:
         """Write ``dst_dir/<shard>``; on any error the partial file is removed."""
-        from .formats.safetensors_io import ShardWriter
-
         t0 = time.perf_counter()
         path = sp.header.path
         writer = ShardWriter(os.path.join(dst_dir, sp.name), sp.layout)

@@ -20,11 +20,9 @@ import torch
 from .errors import BadInput, ConvertError, VerifyFailed
 from .formats import checkpoint as ckpt
 from .formats.safetensors_io import Header, TensorInfo, read_header
-from .manifest import MANIFEST, read_json, read_rows, sha256_file
+from .manifest import MANIFEST, REPORT, TENSOR_TABLE, read_json, read_rows, sha256_file
 from .plan import PACKED, SCALE, SHAPE
 
-REPORT = "k3convert_report.json"        # the names pipeline.py writes (not imported: keeps
-TENSOR_TABLE = "k3convert_tensors.jsonl.zst"  # this module free of the multiprocessing machinery)
 REL_TOL = 1e-6         # re-decoded relative RMSE vs the recorded figure
 OPT_GROUPS = 8         # groups per tensor checked against a brute-force optimum
 OPT_TENSORS = 8        # tensors whose groups are checked that way (the first sampled ones)

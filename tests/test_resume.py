@@ -249,25 +249,24 @@ class Run:
         self.finish()
 
 
-@pytest.fixture(scope="session")
-def slow(tmp_path_factory):
-    """(src, reference DST, hash of src): SLOW converted once, uninterrupted, in-process."""
-    root = tmp_path_factory.mktemp("resume-slow")
+def _reference(tmp_path_factory, name: str, spec) -> tuple[str, str, dict]:
+    """(src, reference DST, hash of src): ``spec`` converted once, uninterrupted, in-process."""
+    root = tmp_path_factory.mktemp(name)
     src, ref = str(root / "src"), str(root / "ref")
-    _make_source(src, SLOW)
+    _make_source(src, spec)
     convert(src, ref, Options(devices=["cpu"]))
     assert read_json(os.path.join(ref, MANIFEST))["complete"] is True
     return src, ref, tree_hash(src)
+
+
+@pytest.fixture(scope="session")
+def slow(tmp_path_factory):
+    return _reference(tmp_path_factory, "resume-slow", SLOW)
 
 
 @pytest.fixture(scope="session")
 def small(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume-small")
-    src, ref = str(root / "src"), str(root / "ref")
-    _make_source(src, SMALL)
-    convert(src, ref, Options(devices=["cpu"]))
-    assert read_json(os.path.join(ref, MANIFEST))["complete"] is True
-    return src, ref, tree_hash(src)
+    return _reference(tmp_path_factory, "resume-small", SMALL)
 
 
 @pytest.fixture

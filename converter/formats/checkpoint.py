@@ -103,19 +103,24 @@ def source_quant(config: dict, config_path: str) -> SourceQuant:
     return SourceQuant(tuple(p for p, _ in mx), tuple(targets) or ("Linear",), tuple(ignore))
 
 
+def activation_fields(config: dict) -> dict[str, tuple[Any, str]]:
+    """Each activation field present: (value, "text_config" or "top-level"), nested first."""
+    found = {}
+    for key in SITU_FIELDS:
+        for where, scope in (("text_config", config.get("text_config") or {}), ("top-level", config)):
+            if key in scope:
+                found[key] = (scope[key], where)
+                break
+    return found
+
+
 def activation(config: dict, config_path: str) -> dict[str, Any]:
     """The expert activation and its parameters (SPEC §4), from text_config or top level.
 
     Refuses a checkpoint whose activation cannot be stated: a kernel that assumes SiLU
     would load the result fine and produce garbage.
     """
-    scopes = [config.get("text_config") or {}, config]
-    act = {}
-    for key in SITU_FIELDS:
-        for scope in scopes:
-            if key in scope:
-                act[key] = scope[key]
-                break
+    act = {key: value for key, (value, _) in activation_fields(config).items()}
     if "hidden_act" not in act:
         raise BadInput("no hidden_act in text_config or at top level: cannot state the expert activation",
                        file=config_path)
