@@ -9,7 +9,7 @@ import time
 
 import click
 
-from . import __version__
+from . import __version__, jobfile
 from .errors import ConvertError
 from .manifest import REPORT
 
@@ -57,6 +57,7 @@ def main() -> None:
 
 @main.command("mxfp4-to-int4")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
+@jobfile.option
 @click.option("-o", "--output", "dst", type=click.Path(), help="Output directory [default: SRC-int4 beside SRC].")
 @click.option("--max-rel-rmse", type=float, default=0.15, show_default=True,
               help="Fail (exit 3) if any tensor's relative RMSE vs the MXFP4 weights exceeds this.")
@@ -67,33 +68,36 @@ def main() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace a DST that holds a different conversion.")
 @click.option("--shards", "shard_spec", default=None, help="Only these shards, 1-based in name order: 3,5-9.")
 @click.option("--part", default=None, help="Only part i of n (round robin over shards): for job arrays, e.g. 2/8.")
+@click.option("--profile", default=None,
+              help="Model profile: a name from configs/profiles or a .toml file [default: chosen from config.json].")
+@click.option("--drop-activation-quant", is_flag=True,
+              help="Convert a source that also quantizes activations (or KV cache) to weight-only int4; "
+                   "what is dropped is recorded in the manifest and report.")
 @click.option("--dry-run", is_flag=True, help="Check everything, print the plan, convert nothing.")
 @click.option("--progress", type=click.Choice(["bar", "json", "none"]), default="bar", show_default=True,
               help="json: one JSON line per event on stderr, for schedulers and log collectors.")
 def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, sample_experts, overwrite, shard_spec, part,
-                  dry_run, progress) -> None:
+                  profile, drop_activation_quant, dry_run, progress) -> None:
     """Convert the MXFP4 checkpoint SRC into an int4 checkpoint a server loads directly.
 
     Exit codes: 0 done, 2 bad input, 3 error threshold exceeded, 4 output/IO problem
     (DST not usable, locked, disk full), 130 interrupted (run again to resume), 1 other.
     """
-    from .pipeline import Options, convert, default_dst, describe, select_shards
-    from .plan import build_plan
+    from .pipeline import Options, convert, default_dst, describe
     from .validate import format_table
 
     opts = Options(max_rel_rmse=max_rel_rmse, sample_experts=sample_experts, workers=workers,
-                   devices=devices.split(",") if devices else None, overwrite=overwrite)
+                   devices=devices.split(",") if devices else None, overwrite=overwrite, shard_spec=shard_spec,
+                   part=part, profile=profile, drop_activation_quant=drop_activation_quant)
     bar = _Progress(progress)
     try:
-        plan = build_plan(src)
-        if shard_spec or part:
-            opts.shards = select_shards([s.name for s in plan.shards], shard_spec, part)
         if dry_run:
+            plan = opts.plan(src)
             info = describe(plan, dst or default_dst(plan.src), opts)
             click.echo(json.dumps(info, indent=2) if progress == "json" else "\n".join(
-                f"{k:>20}: {v}" for k, v in info.items()))
+                f"{k:>28}: {v}" for k, v in info.items()))
             return
-        summary = convert(src, dst, opts, bar, plan=plan)
+        summary = convert(src, dst, opts, bar)
     except ConvertError as e:
         bar.close()
         _fail(e)
@@ -139,11 +143,13 @@ def finalize(dst) -> None:
 @click.option("--real-dims", is_flag=True, help="Real K3 expert shapes: w1/w3 [3072, 3584], w2 [3584, 3072].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="Where to draw the weights (cuda: much faster).")
-def make_fixture_cmd(dst, layers, experts, shards, real_dims, seed, device) -> None:
+@click.option("--keep-modules", is_flag=True,
+              help="Cut shards only between modules [default: by size, as Hugging Face writers do, so pairs straddle].")
+def make_fixture_cmd(dst, layers, experts, shards, real_dims, seed, device, keep_modules) -> None:
     """Write a small Kimi-K3-shaped MXFP4 checkpoint to DST."""
     from .fixture import FixtureSpec, make_fixture
 
-    kw = {"layers": layers, "experts": experts, "shards": shards, "seed": seed}
+    kw = {"layers": layers, "experts": experts, "shards": shards, "seed": seed, "keep_modules": keep_modules}
     spec = FixtureSpec.real_dims(**kw) if real_dims else FixtureSpec(**kw)
     names = make_fixture(dst, spec, device=device)
     size = sum(os.path.getsize(os.path.join(dst, n)) for n in names)
@@ -170,15 +176,23 @@ def demo(ctx, workdir) -> None:
 @click.option("--sample", type=int, default=8, show_default=True, help="Converted tensors to re-decode (with --source).")
 @click.option("--all", "all_", is_flag=True, help="Re-decode every converted tensor (with --source; slow on the real model).")
 @click.option("--no-checksums", is_flag=True, help="Skip hashing the shards (structure checks only).")
+@click.option("--serving", type=click.Choice(["vllm-rocm", "sglang-rocm"]), default=None,
+              help="Also check DST against that server's int4 W4A16 MoE path on gfx942 (docs/serving.md).")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tensor-parallel size the server will run with (with --serving).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def verify_cmd(dst, src, sample, all_, no_checksums, as_json) -> None:
-    """Check a converted DST: checksums, structure, SiTU metadata, and (with --source) the numbers.
+def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, as_json) -> None:
+    """Check a converted DST: checksums, structure, SiTU metadata, (with --source) the numbers,
+    and (with --serving) whether that server's int4 MoE path will load it at --tp.
 
     Exit 0 when every check passes, 5 when one fails, 2 when DST or SRC cannot be read."""
     from .verify import verify
 
+    if tp != 1 and serving is None:
+        raise click.UsageError("--tp is used with --serving")
     try:
-        result = verify(dst, src, None if all_ else sample, checksums=not no_checksums)
+        result = verify(dst, src, None if all_ else sample, checksums=not no_checksums,
+                        serving=(serving, tp) if serving else None)
     except ConvertError as e:
         _fail(e)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.format())

@@ -1,8 +1,9 @@
 """A small Kimi-K3-shaped MXFP4 checkpoint, for the demo, the tests and the benchmarks.
 
 Same names, nested config, shard index and side files as the published model; sizes are
-options (``real_dims`` gives the real expert shapes). Written shard by shard, one tensor
-in memory at a time.
+options (``real_dims`` gives the real expert shapes). Shards are cut by size, as Hugging Face
+writers cut them, so a module's packed tensor and its scale often sit in different shards.
+Every shard is written at once, one tensor (pair) in memory at a time.
 """
 from __future__ import annotations
 
@@ -33,9 +34,10 @@ class FixtureSpec:
     hidden: int = 256
     inter: int = 192           # moe_intermediate_size (real: 3072)
     latent: int = 128          # routed_expert_hidden_size (real: 3584)
-    shards: int = 3
+    shards: int = 3            # cut by size, as Hugging Face writers cut: modules straddle shards
     vocab: int = 512
     seed: int = 0
+    keep_modules: bool = False  # cut only between modules (each packed tensor beside its scale)
 
     @classmethod
     def real_dims(cls, **kw) -> "FixtureSpec":
@@ -66,32 +68,73 @@ def config(spec: FixtureSpec) -> dict:
             "text_config": text, "torch_dtype": "bfloat16"}
 
 
-def _tensors(spec: FixtureSpec) -> Iterator[tuple[int, str, tuple[int, int], str]]:
-    """(shard, name, shape, kind) for every tensor; kind is 'bf16' or 'mxfp4'."""
+def _tensors(spec: FixtureSpec) -> Iterator[tuple[str, tuple[int, int], str]]:
+    """(name, shape, kind) for every tensor, in file order; kind is 'bf16', 'packed' or 'scale'.
+
+    Within an MoE layer the experts' packed tensors and their scales are written in two runs,
+    packed first in even layers and scales first in odd ones (``keep_modules``: each scale
+    right after its packed tensor), so a cut inside a layer separates pairs, in either order
+    and across more than one shard when a layer is larger than a shard.
+    """
     h, lat, inter = spec.hidden, spec.latent, spec.inter
-    yield 0, f"{PREFIX}.embed_tokens.weight", (spec.vocab, h), "bf16"
-    yield 0, "vision_tower.patch_embed.proj.weight", (h, 64), "bf16"
+    yield f"{PREFIX}.embed_tokens.weight", (spec.vocab, h), "bf16"
+    yield "vision_tower.patch_embed.proj.weight", (h, 64), "bf16"
     for layer in range(spec.layers):
-        shard = layer * spec.shards // spec.layers  # every shard gets at least one layer
         p = f"{PREFIX}.layers.{layer}"
-        yield shard, f"{p}.input_layernorm.weight", (1, h), "bf16"
+        yield f"{p}.input_layernorm.weight", (1, h), "bf16"
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            yield shard, f"{p}.self_attn.{proj}.weight", (h, h), "bf16"
+            yield f"{p}.self_attn.{proj}.weight", (h, h), "bf16"
         if layer == 0:
             for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-                yield shard, f"{p}.mlp.{proj}.weight", shape, "bf16"
+                yield f"{p}.mlp.{proj}.weight", shape, "bf16"
             continue
         m = f"{p}.block_sparse_moe"
-        yield shard, f"{m}.gate.weight", (spec.experts, h), "bf16"
-        yield shard, f"{m}.routed_expert_down_proj.weight", (lat, h), "bf16"
-        yield shard, f"{m}.routed_expert_up_proj.weight", (h, lat), "bf16"
+        yield f"{m}.gate.weight", (spec.experts, h), "bf16"
+        yield f"{m}.routed_expert_down_proj.weight", (lat, h), "bf16"
+        yield f"{m}.routed_expert_up_proj.weight", (h, lat), "bf16"
         for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-            yield shard, f"{m}.shared_experts.{proj}.weight", shape, "bf16"
-        for e in range(spec.experts):
-            for w, shape in (("w1", (inter, lat)), ("w2", (lat, inter)), ("w3", (inter, lat))):
-                yield shard, f"{m}.experts.{e}.{w}", shape, "mxfp4"
-    yield spec.shards - 1, f"{PREFIX}.norm.weight", (1, h), "bf16"
-    yield spec.shards - 1, "language_model.lm_head.weight", (spec.vocab, h), "bf16"
+            yield f"{m}.shared_experts.{proj}.weight", shape, "bf16"
+        experts = [(f"{m}.experts.{e}.{w}", shape) for e in range(spec.experts)
+                   for w, shape in (("w1", (inter, lat)), ("w2", (lat, inter)), ("w3", (inter, lat)))]
+        if spec.keep_modules:
+            for name, shape in experts:
+                yield name, shape, "packed"
+                yield name, shape, "scale"
+        else:
+            runs = ("packed", "scale") if layer % 2 == 0 else ("scale", "packed")
+            for kind in runs:
+                for name, shape in experts:
+                    yield name, shape, kind
+    yield f"{PREFIX}.norm.weight", (1, h), "bf16"
+    yield "language_model.lm_head.weight", (spec.vocab, h), "bf16"
+
+
+def _out_tensor(name: str, shape: tuple[int, int], kind: str) -> OutTensor:
+    rows, cols = shape
+    if kind == "packed":
+        return OutTensor(f"{name}.weight_packed", "U8", (rows, cols // 2))
+    if kind == "scale":
+        return OutTensor(f"{name}.weight_scale", "U8", (rows, cols // 32))
+    return OutTensor(name, "BF16", shape)
+
+
+def _shard_of(tensors: list[OutTensor], spec: FixtureSpec) -> list[int]:
+    """Each tensor's shard: ``spec.shards`` parts of equal expert bytes.
+
+    The cuts fall between two expert tensors, so with the run layout of ``_tensors`` every cut
+    separates pairs (real writers cut by size too, where a cut inside a pair is rare per cut but
+    close to certain over 96 shards); ``keep_modules`` keeps each scale with its packed tensor.
+    """
+    expert = [t.dtype == "U8" for t in tensors]
+    total = sum(t.nbytes for t, e in zip(tensors, expert) if e)
+    out, seen = [], total // (4 * spec.shards)  # cuts a little early: not on a layer boundary
+    for t, e in zip(tensors, expert):
+        glued = spec.keep_modules and t.name.endswith(".weight_scale")  # stays with its packed tensor
+        out.append(out[-1] if glued else min(spec.shards - 1, seen * spec.shards // total))
+        seen += t.nbytes if e else 0
+    if sorted(set(out)) != list(range(spec.shards)):
+        raise ValueError(f"{spec.shards} shards do not fit these tensor sizes: some shard would be empty")
+    return out
 
 
 SIDE_FILES = {
@@ -108,41 +151,35 @@ def make_fixture(dst: str, spec: FixtureSpec = FixtureSpec(), encoder: Encoder =
 
     ``device="cuda"`` draws and encodes the weights on a GPU: tens of GB in a minute.
     """
-    if not 1 <= spec.shards <= spec.layers:
-        raise ValueError(f"shards ({spec.shards}) must be between 1 and layers ({spec.layers})")
     os.makedirs(dst, exist_ok=True)
     gen = torch.Generator(device).manual_seed(spec.seed)
-    plan: dict[int, list[tuple[str, tuple[int, int], str]]] = {}
-    for shard, name, shape, kind in _tensors(spec):
-        plan.setdefault(shard, []).append((name, shape, kind))
+    entries = list(_tensors(spec))
+    outs = [_out_tensor(*e) for e in entries]
+    shard_of = _shard_of(outs, spec)
     names = [f"model-{i + 1:05d}-of-{spec.shards:05d}.safetensors" for i in range(spec.shards)]
-    weight_map, total = {}, 0
-    for shard, items in sorted(plan.items()):
-        outs = []
-        for name, (rows, cols), kind in items:
+    writers = [ShardWriter(os.path.join(dst, n), Layout([t for t, s in zip(outs, shard_of) if s == i],
+                                                        {"format": "pt"})) for i, n in enumerate(names)]
+    scales: dict[str, torch.Tensor] = {}  # a scale drawn with its packed tensor, written in its turn
+    try:
+        for (name, (rows, cols), kind), out, shard in zip(entries, outs, shard_of):
             if kind == "bf16":
-                outs.append(OutTensor(name, "BF16", (rows, cols)))
-            else:
-                outs += [OutTensor(f"{name}.weight_packed", "U8", (rows, cols // 2)),
-                         OutTensor(f"{name}.weight_scale", "U8", (rows, cols // 32))]
-        writer = ShardWriter(os.path.join(dst, names[shard]), Layout(outs, {"format": "pt"}))
-        try:
-            for name, (rows, cols), kind in items:
-                w = _student_t(gen, rows, cols)
-                if kind == "bf16":
-                    writer.write(name, w.to(torch.bfloat16).view(torch.uint8).cpu().numpy())
-                    continue
-                packed, scale = encoder(w * 0.02)
-                writer.write(f"{name}.weight_packed", packed.cpu().numpy())
-                writer.write(f"{name}.weight_scale", scale.cpu().numpy())
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        weight_map.update({t.name: names[shard] for t in outs})
-        total += sum(t.nbytes for t in outs)
+                data = _student_t(gen, rows, cols).to(torch.bfloat16).view(torch.uint8)
+            elif name in scales:
+                data = scales.pop(name)
+            else:  # the first of the pair to be written draws the weight and encodes both
+                packed, scale = encoder(_student_t(gen, rows, cols) * 0.02)
+                data, scales[name] = (packed, scale) if kind == "packed" else (scale, packed)
+            writers[shard].write(out.name, data.cpu().numpy())
+        for w in writers:
+            w.close()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    weight_map = {t.name: names[s] for t, s in zip(outs, shard_of)}
     with open(os.path.join(dst, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        json.dump({"metadata": {"total_size": sum(t.nbytes for t in outs)},
+                   "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config(spec), f, indent=2)
     for fname, text in SIDE_FILES.items():

@@ -153,7 +153,8 @@ A kernel that assumes SiLU loads this checkpoint without complaint and produces 
 - Command (reconstructed from the manifest): `{cmd}`
 - Each MXFP4 block of 32 weights is mapped to the int4 group with the least squared error over every
   bf16 scale (an exact search, not round-to-nearest with amax/7.5).
-- `{MANIFEST}` holds the SHA-256 of every shard; `k3convert verify` re-checks them and the structure.
+- `{MANIFEST}` holds a digest of every shard (SHA-256 over its 64 MiB chunks); `k3convert verify`
+  re-checks them and the structure.
 
 ## Error against the MXFP4 weights
 

@@ -9,6 +9,7 @@ import os
 from collections import Counter
 from typing import Any
 
+from . import profiles
 from .errors import BadInput, ConvertError
 from .formats import checkpoint as ckpt
 from .formats.safetensors_io import read_header
@@ -41,7 +42,9 @@ def _detect(blocks: list[tuple[tuple[str, ...], dict]], has_manifest: bool) -> t
     if not blocks:
         return UNQUANTIZED, "no quantization_config (unquantized, or not a checkpoint k3convert knows)"
     if any(ckpt.is_mxfp4(b) for _, b in blocks):
-        return MXFP4_SOURCE, "MXFP4 source (compressed-tensors mxfp4-pack-quantized): k3convert converts this"
+        quark = any(b.get("quant_method") == "quark" for _, b in blocks)
+        what = "AMD Quark MXFP4" if quark else f"compressed-tensors {ckpt.MXFP4_FORMAT}"
+        return MXFP4_SOURCE, f"MXFP4 source ({what}): k3convert converts this"
     if all(not int4_block_problems(b) for _, b in blocks):
         if has_manifest:
             return K3_OUTPUT, "k3convert int4 output (compressed-tensors pack-quantized int4, group 32, symmetric)"
@@ -122,28 +125,62 @@ def inspect_path(path: str) -> dict[str, Any]:
         "situ_in_shard_metadata": f"{metadata_situ} of {len(shards)} shard(s)",
     }
     if kind == MXFP4_SOURCE:
-        from .plan import build_plan
-        try:
-            plan = build_plan(path)
-            info["plan"] = {"bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
-                            "tensors_to_convert": plan.n_convert,
-                            "source_tensors_converted": 2 * plan.n_convert,
-                            "activation": plan.activation}
-        except BadInput as e:
-            info["plan"] = {"error": str(e)}
+        info["profile"] = _profile(config, config_path)
+        info["plan"] = _plan(path)
     if manifest is not None:
         report = None
         try:
             report = read_json(os.path.join(path, REPORT))
         except ConvertError:
             pass
+        source = manifest.get("source") or {}
+        quant = source.get("quantization") or {}
         info["k3convert"] = {
             "complete": manifest.get("complete"), "status": manifest.get("status"),
-            "version": manifest.get("version"), "source": (manifest.get("source") or {}).get("path"),
+            "version": manifest.get("version"), "source": source.get("path"),
+            "profile": source.get("profile"), "scale_convention": quant.get("scale_convention"),
+            "dropped": [d.get("where") for d in quant.get("dropped") or []] + list(source.get("dropped_tensors") or []),
             "activation": manifest.get("activation"),
             "worst": (report or {}).get("worst"), "rel_rmse_mean": (report or {}).get("rel_rmse_mean"),
         }
     return info
+
+
+def _profile(config: dict, config_path: str) -> dict[str, Any]:
+    """The profile a conversion would use and why (shown even when the preflight fails)."""
+    try:
+        p, why = profiles.choose(config, ckpt.dialect(config, config_path))
+    except BadInput as e:
+        return {"error": str(e)}
+    return {**p.record(), "reason": why}
+
+
+def _plan(path: str) -> dict[str, Any]:
+    """What converting gives, by the preflight itself. A source refused only for its activation
+    quantization is planned again as with --drop-activation-quant, to show what would be dropped."""
+    from .plan import build_plan
+    requires = None
+    try:
+        plan = build_plan(path)
+    except BadInput as e:
+        if ckpt.DROP_FLAG not in str(e):
+            return {"error": str(e)}
+        try:
+            plan, requires = build_plan(path, drop_activation_quant=True), ckpt.DROP_FLAG
+        except BadInput:
+            return {"error": str(e)}
+    return {"bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out, "tensors_to_convert": plan.n_convert,
+            "source_tensors_converted": 2 * plan.n_convert, "activation": plan.activation,
+            "modules_split_across_shards": plan.straddled, "scale_convention": plan.source.scale_note,
+            "dropped": list(plan.source.dropped), "dropped_tensors": list(plan.dropped), "requires": requires}
+
+
+def _profile_line(p: dict[str, Any] | None) -> list[str]:
+    if not p:
+        return []
+    if "error" in p:
+        return [f"  profile:      none matches: {p['error']}"]
+    return [f"  profile:      {p.get('name')} ({p.get('file')}): {p.get('reason')}"]
 
 
 def _gb(n: int) -> str:
@@ -178,18 +215,29 @@ def format_info(info: dict[str, Any]) -> str:
     else:
         lines.append("  activation:   not stated in config.json (no hidden_act)")
     lines.append(f"  shard metadata states hidden_act: {info['situ_in_shard_metadata']}")
+    lines += _profile_line(info.get("profile"))
     plan = info.get("plan")
     if plan and "error" in plan:
         lines.append(f"  conversion:   preflight fails: {plan['error']}")
     elif plan:
         lines.append(f"  conversion:   {plan['tensors_to_convert']} expert matrices to convert "
                      f"({plan['source_tensors_converted']} source tensors); output {_gb(plan['bytes_out'])} "
-                     f"from {_gb(plan['bytes_in'])}")
+                     f"from {_gb(plan['bytes_in'])}; {plan['modules_split_across_shards']} module(s) with "
+                     "packed and scale tensors in different shards")
+        lines.append(f"  scales:       {plan['scale_convention']}")
+        dropped = [d["where"] for d in plan["dropped"]] + plan["dropped_tensors"]
+        if dropped:
+            lines.append(f"  dropped:      {', '.join(dropped)} (only with {plan['requires'] or ckpt.DROP_FLAG})")
     k3 = info.get("k3convert")
     if k3:
         worst = k3.get("worst") or {}
         lines.append(f"  k3convert:    {'complete' if k3.get('complete') else 'NOT complete'} "
                      f"(status {k3.get('status')}, version {k3.get('version')}), source {k3.get('source')}")
+        lines += _profile_line(k3.get("profile"))
+        if k3.get("scale_convention"):
+            lines.append(f"  scales:       {k3['scale_convention']} (source)")
+        if k3.get("dropped"):
+            lines.append(f"  dropped:      {', '.join(k3['dropped'])}")
         if worst:
             lines.append(f"  error:        relative RMSE mean {k3.get('rel_rmse_mean'):.4f}, worst "
                          f"{worst.get('rel_rmse'):.4f} ({worst.get('tensor')})")

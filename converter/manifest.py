@@ -57,14 +57,6 @@ def file_fingerprint(path: str, edge: int = 1 << 20) -> dict[str, Any]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "edge_blake2b": h.hexdigest()}
 
 
-def sha256_file(path: str, block: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_rows(path: str, rows: list[dict]) -> None:
     """A figure table as zstd-compressed JSON lines: ~10x smaller for 250k tensors."""
     raw = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows).encode()

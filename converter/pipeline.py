@@ -10,26 +10,25 @@ as long as their shard selections are disjoint: each run locks the shards it con
 from __future__ import annotations
 
 import fcntl
-import multiprocessing as mp
 import os
-import queue
 import shutil
 import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
-
 from . import __version__
-from .errors import BadInput, ConvertError, Interrupted, OutputError, ThresholdExceeded
+from .devices import gpu_count
+from .digest import ALGORITHM as DIGEST_ALGORITHM
+from .errors import BadInput, Interrupted, OutputError, ThresholdExceeded
 from .formats import checkpoint as ckpt
 from .manifest import (MANIFEST, REPORT, STATE_DIR, TENSOR_TABLE, ShardLocks, file_fingerprint, read_json,
                        read_rows, write_json, write_rows)
-from .plan import Plan, ShardPlan, build_plan, shard_plan
+from .plan import Plan, ShardPlan, build_plan
+from .safepath import dest_file
 from .validate import TensorFigures, layer_summary
+from .workers import Task, Workers, raise_error
 
-SOURCE_FORMAT = "compressed-tensors mxfp4-pack-quantized"
 TARGET_FORMAT = "compressed-tensors pack-quantized int4 group 32 symmetric, bf16 scales"
 
 
@@ -41,11 +40,19 @@ class Options:
     workers: int = 1             # CPU processes when converting on the CPU
     overwrite: bool = False
     batch_groups: int | None = None   # groups per requantize call [default: 2**20 CPU, 2**21 GPU]
-    shards: list[str] | None = None   # convert only these (batch jobs); None: all
+    shard_spec: str | None = None     # --shards 3,5-9: convert only these (batch jobs)
+    part: str | None = None           # --part i/n
+    profile: str | None = None        # model profile name or file [default: chosen from config.json]
+    drop_activation_quant: bool = False  # convert a source that also quantizes activations, weight-only
+    inline: bool | None = None        # one worker in this process [default: when torch is imported here]
 
     def identity(self) -> dict[str, Any]:
         """What must match for a run to continue (or share) a previous one's DST."""
-        return {"version": __version__, "sample_experts": self.sample_experts}
+        return {"version": __version__, "sample_experts": self.sample_experts, "profile": self.profile,
+                "drop_activation_quant": self.drop_activation_quant}
+
+    def plan(self, src: str) -> Plan:
+        return build_plan(src, self.profile, self.drop_activation_quant)
 
 
 @dataclass
@@ -72,20 +79,17 @@ def default_dst(src: str) -> str:
 
 def resolve_devices(options: Options) -> list[str]:
     """One entry per worker process: each GPU named (or found), else ``workers`` CPU slots."""
-    if options.devices and options.devices != ["cpu"]:
-        return list(options.devices)
-    if torch.cuda.is_available():
-        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    devices = options.devices
+    for d in devices or []:
+        if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
+            raise BadInput(f"--devices: {d!r} is not cpu or cuda:N (ROCm GPUs are cuda:N too)")
+    if devices and "cpu" in devices and len(devices) > 1:
+        raise BadInput("--devices: use either cpu (with --workers) or GPUs, not both")
+    if devices and devices != ["cpu"]:
+        return list(devices)
+    if devices is None and (n := gpu_count()):
+        return [f"cuda:{i}" for i in range(n)]
     return ["cpu"] * max(1, options.workers)
-
-
-def requantizer(device: str):
-    """The numba CPU kernel or the Triton GPU kernel; both give the reference's bytes."""
-    if device.startswith("cpu"):
-        from .quant.cpu_kernel import requantize
-        return requantize
-    from .kernels.triton_requant import requantize
-    return requantize
 
 
 def select_shards(names: list[str], spec: str | None = None, part: str | None = None) -> list[str]:
@@ -114,8 +118,9 @@ def select_shards(names: list[str], spec: str | None = None, part: str | None = 
     return chosen
 
 
-def _selected(plan: Plan, options: Options) -> list[ShardPlan]:
-    return [s for s in plan.shards if options.shards is None or s.name in options.shards]
+def selected(plan: Plan, options: Options) -> list[ShardPlan]:
+    names = set(select_shards([s.name for s in plan.shards], options.shard_spec, options.part))
+    return [s for s in plan.shards if s.name in names]
 
 
 def _inside(a: str, b: str) -> bool:
@@ -130,8 +135,9 @@ def _state(dst: str, *parts: str) -> str:
 def run_identity(plan: Plan, options: Options) -> dict[str, Any]:
     return {
         "tool": "k3convert", "options": options.identity(), "source": plan.src,
+        "profile": plan.profile.name, "quantization": plan.source.record(),
         "config": file_fingerprint(os.path.join(plan.src, "config.json")),
-        "shards": {s.name: file_fingerprint(s.header.path) for s in plan.shards},
+        "shards": {s.name: file_fingerprint(s.path) for s in plan.shards},
     }
 
 
@@ -157,6 +163,8 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> None:
                 shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
     try:
         os.makedirs(_state(dst), exist_ok=True)
+        if os.path.islink(_state(dst)):
+            raise OutputError(f"{STATE_DIR} is a symlink: refusing to write through it", file=dst)
         if read_json(_state(dst, "run.json")) is None:
             write_json(_state(dst, "run.json"), ident)
     except OSError as e:
@@ -180,79 +188,37 @@ def shard_record(dst: str, name: str) -> dict | None:
     return rec
 
 
-def _worker(src: str, dst: str, device: str, quant, act, sample: tuple[int, int],
-            batch_groups: int | None, tasks, events) -> None:
-    """Convert shard names from ``tasks`` until it is empty, reporting through ``events``."""
-    from .shard import ShardConverter
-
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    stride, per_layer = sample
-    conv = ShardConverter(requantizer(device), device,
-                          batch_groups or (1 << 20 if device.startswith("cpu") else 1 << 21),
-                          lambda c: c.expert is None or (per_layer > 0 and c.expert % stride == 0))
-    while True:
-        try:
-            name = tasks.get_nowait()
-        except queue.Empty:
-            return
-        events.put(("start", {"shard": name, "device": device}))
-        try:
-            sp = shard_plan(src, name, quant, act, [])
-            res = conv.convert(sp, dst, lambda n: events.put(("bytes", {"n": n})))
-        except ConvertError as e:
-            events.put(("error", {"shard": name, "message": str(e), "code": e.exit_code,
-                                  "file": e.file, "tensor": e.tensor}))
-            return
-        except OSError as e:
-            events.put(("error", {"shard": name, "code": 4,
-                                  "message": f"file {e.filename or os.path.join(dst, name)}: {e.strerror}"}))
-            return
-        events.put(("done", {"shard": name, "sha256": res.sha256, "bytes": res.bytes_out,
-                             "seconds": res.seconds, "figures": [f.row() for f in res.figures]}))
-
-
-def _worker_process(threads: int | None, *args) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it terminates us
-    if threads:
-        torch.set_num_threads(threads)
-        try:
-            import numba
-            numba.set_num_threads(threads)
-        except ImportError:
-            pass
-    try:
-        _worker(*args)
-    except BaseException as e:  # report anything, naming the device; the parent stops the run
-        args[-1].put(("error", {"shard": None, "message": f"worker on {args[2]} failed: {e!r}", "code": 1}))
-
-
 def convert(src: str, dst: str | None = None, options: Options | None = None,
             on_event: Event = lambda kind, f: None, plan: Plan | None = None) -> Summary:
-    """Convert SRC into DST (library entry point; the CLI is a thin layer over this)."""
+    """Convert SRC into DST (library entry point; the CLI is a thin layer over this).
+
+    The workers start first, so that their imports overlap the preflight; they are stopped
+    on any error, the preflight's included.
+    """
     t0 = time.perf_counter()
     options = options or Options()
-    plan = plan or build_plan(src)
-    dst = os.path.abspath(dst or default_dst(plan.src))
-    prepare_dst(plan, dst, options)
-    selected = _selected(plan, options)
-    todo = [s for s in selected if shard_record(dst, s.name) is None]
-    check_space(dst, sum(s.bytes_out for s in todo))
-    locks = ShardLocks(dst, [s.name for s in todo])
-    todo = [s for s in todo if shard_record(dst, s.name) is None]  # a run that just ended may have done some
-    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        # leftovers of a killed run never look complete; drop them, but only of the shards
-        # locked above: a .partial of another shard may be another run's (--part) work in progress
-        for s in todo:
-            if os.path.exists(os.path.join(dst, s.name + ".partial")):
-                os.unlink(os.path.join(dst, s.name + ".partial"))
-        _convert_shards(plan, dst, options, todo, len(selected), on_event)
-    except KeyboardInterrupt:
-        raise Interrupted("interrupted: finished shards are kept; run the same command to resume") from None
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-        locks.release()
+    with Workers(resolve_devices(options), options.inline) as workers:
+        plan = plan or options.plan(src)
+        dst = os.path.abspath(dst or default_dst(plan.src))
+        prepare_dst(plan, dst, options)
+        chosen = selected(plan, options)
+        todo = [s for s in chosen if shard_record(dst, s.name) is None]
+        check_space(dst, sum(s.bytes_out for s in todo))
+        locks = ShardLocks(dst, [s.name for s in todo])
+        todo = [s for s in todo if shard_record(dst, s.name) is None]  # a run that just ended may have done some
+        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            # leftovers of a killed run never look complete; drop them, but only of the shards
+            # locked above: a .partial of another shard may be another run's (--part) work in progress
+            for s in todo:
+                if os.path.lexists(os.path.join(dst, s.name + ".partial")):
+                    os.unlink(os.path.join(dst, s.name + ".partial"))
+            _convert_shards(plan, dst, options, todo, len(chosen), workers, on_event)
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted: finished shards are kept; run the same command to resume") from None
+        finally:
+            signal.signal(signal.SIGTERM, old_term)
+            locks.release()
     summary = finalize(dst, plan, options)
     if summary.status == "failed-validation":  # also shards finished (unchecked) by earlier runs
         w = summary.worst
@@ -266,17 +232,21 @@ def convert(src: str, dst: str | None = None, options: Options | None = None,
 def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
     """What a run would do (``--dry-run``): nothing is written."""
     dst = os.path.abspath(dst)
-    selected = _selected(plan, options)
-    done = [s.name for s in selected if os.path.isdir(dst) and shard_record(dst, s.name)]
-    todo = [s for s in selected if s.name not in done]
+    chosen = selected(plan, options)
+    done = [s.name for s in chosen if os.path.isdir(dst) and shard_record(dst, s.name)]
+    todo = [s for s in chosen if s.name not in done]
     probe = dst
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     return {
-        "source": plan.src, "dst": dst, "devices": resolve_devices(options),
-        "shards": len(selected), "shards_done": len(done), "shards_todo": len(todo),
+        "source": plan.src, "dst": dst, "profile": f"{plan.profile.name} ({plan.profile_reason})",
+        "scale_convention": plan.source.scale_note, "devices": resolve_devices(options),
+        "shards": len(chosen), "shards_done": len(done), "shards_todo": len(todo),
         "tensors_to_convert": sum(len(s.converts) for s in todo),
         "tensors_copied": sum(len(s.items) - len(s.converts) for s in todo),
+        "modules_split_across_shards": sum(c.scale.path != c.packed.path for s in todo for c in s.converts),
+        "also_reads": {s.name: s.partners for s in todo if s.partners},
+        "dropped": [d["where"] for d in plan.source.dropped] + plan.dropped,
         "bytes_in": sum(s.bytes_in for s in todo), "bytes_out": sum(s.bytes_out for s in todo),
         "free_bytes_at_dst": shutil.disk_usage(probe).free, "activation": plan.activation,
     }
@@ -287,84 +257,39 @@ def _raise_interrupt(signum, frame) -> None:
 
 
 def _convert_shards(plan: Plan, dst: str, options: Options, todo: list[ShardPlan], n_selected: int,
-                    on_event: Event) -> None:
-    devices = resolve_devices(options)[: max(1, len(todo))]
-    on_event("plan", {"shards": n_selected, "todo": len(todo), "bytes_in": sum(s.bytes_in for s in todo),
-                      "bytes_out": sum(s.bytes_out for s in todo), "devices": devices})
+                    workers: Workers, on_event: Event) -> None:
+    on_event("plan", {"shards": n_selected, "todo": len(todo), "bytes_in": sum(s.bytes_read for s in todo),
+                      "bytes_out": sum(s.bytes_out for s in todo), "devices": workers.devices[: max(1, len(todo))]})
     if not todo:
         return
     experts = 1 + max((c.expert or 0) for s in plan.shards for c in s.converts)
-    sample = (max(1, -(-experts // max(1, options.sample_experts))), options.sample_experts)
-    ordered = [s.name for s in sorted(todo, key=lambda s: -s.bytes_in)]
-    if len(devices) == 1:  # in-process: no start-up cost, same events
-        tasks: queue.Queue = queue.Queue()
-        for n in ordered:
-            tasks.put(n)
-        _worker(plan.src, dst, devices[0], plan.quant, plan.activation, sample, options.batch_groups,
-                tasks, _Inline(dst, plan, options, on_event))
-        return
-    ctx = mp.get_context("spawn")
-    tasks, events = ctx.Queue(), ctx.Queue()
-    for n in ordered:
-        tasks.put(n)
-    threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" else None
-    procs = [ctx.Process(target=_worker_process, daemon=True, args=(
-        threads, plan.src, dst, d, plan.quant, plan.activation, sample, options.batch_groups, tasks, events))
-        for d in devices]
-    for p in procs:
-        p.start()
-    try:
-        _collect(events, set(ordered), procs, dst, plan, options, on_event)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=10)
+    stride = max(1, -(-experts // max(1, options.sample_experts)))
+    shift = 127 - plan.source.scale_bias
+    tasks = [Task(s, dst, stride, options.sample_experts, shift, options.batch_groups) for s in todo]
 
-
-class _Inline:
-    """The event queue of an in-process worker: each event is handled as it is put."""
-
-    def __init__(self, dst: str, plan: Plan, options: Options, on_event: Event):
-        self.args = (dst, plan, options, on_event)
-
-    def put(self, item: tuple[str, dict]) -> None:
-        _handle(item[0], item[1], *self.args)
-
-
-def _collect(events, remaining: set[str], procs, dst: str, plan: Plan, options: Options,
-             on_event: Event) -> None:
-    while remaining:
-        try:
-            kind, f = events.get(timeout=1.0)
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs):
-                raise ConvertError(f"workers stopped with {len(remaining)} shard(s) unconverted, "
-                                   f"e.g. {sorted(remaining)[0]}") from None
-            continue
+    def handle(kind: str, f: dict) -> None:
+        if kind == "error":
+            on_event("error", f)
+            raise_error(f)
         if kind == "done":
-            remaining.discard(f["shard"])
-        _handle(kind, f, dst, plan, options, on_event)
+            _record(dst, plan, options, f, on_event)
+        else:
+            on_event(kind, f)
+
+    workers.run(tasks, handle)
 
 
-def _handle(kind: str, f: dict, dst: str, plan: Plan, options: Options, on_event: Event) -> None:
-    if kind == "error":
-        on_event("error", f)
-        err = {2: BadInput, 4: OutputError}.get(f.get("code"), ConvertError)(f["message"])
-        err.file, err.tensor = f.get("file"), f.get("tensor")
-        raise err
-    if kind != "done":
-        on_event(kind, f)
-        return
+def _record(dst: str, plan: Plan, options: Options, f: dict, on_event: Event) -> None:
+    """A finished shard: its figure table and record (the resume state), then the threshold."""
     rows = f["figures"]
     write_rows(_state(dst, f["shard"] + ".figures.jsonl.zst"), rows)
     worst = max(rows, key=lambda r: r["rel_rmse"], default=None)
     write_json(_state(dst, f["shard"] + ".done.json"), {
-        "sha256": f["sha256"], "bytes": f["bytes"], "converted": len(rows), "seconds": round(f["seconds"], 3),
-        "rel_rmse_worst": worst["rel_rmse"] if worst else 0.0,
+        "digest": f["digest"], "bytes": f["bytes"], "converted": len(rows), "seconds": round(f["seconds"], 3),
+        "sources": f["sources"], "rel_rmse_worst": worst["rel_rmse"] if worst else 0.0,
         "snr_db_min": min((r["snr_db"] for r in rows), default=None),
         "output": file_fingerprint(os.path.join(dst, f["shard"])),
+        "stages": {k: round(v, 3) for k, v in f.get("stages", {}).items()},
     })
     on_event("done", {"shard": f["shard"], "seconds": f["seconds"],
                       "rel_rmse_worst": worst["rel_rmse"] if worst else 0.0})
@@ -381,14 +306,23 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
     run = read_json(_state(dst, "run.json"))
     if run is None:
         raise OutputError("holds no k3convert state (nothing to finalize)", file=dst)
-    plan = plan or build_plan(run["source"])
-    options = options or Options()
+    if options is None:
+        recorded = run.get("options") or {}
+        options = Options(profile=recorded.get("profile"),
+                          drop_activation_quant=bool(recorded.get("drop_activation_quant")))
+    plan = plan or options.plan(run["source"])
     lock = open(_state(dst, "manifest.lock"), "a+")
     fcntl.flock(lock, fcntl.LOCK_EX)  # several batch jobs may finish at once
     try:
         return _finalize_locked(dst, plan, options, run, t0)
     finally:
         lock.close()
+
+
+def _source_record(plan: Plan, run: dict) -> dict[str, Any]:
+    return {"path": plan.src, "profile": {**plan.profile.record(), "reason": plan.profile_reason},
+            "quantization": plan.source.record(), "dropped_tensors": plan.dropped,
+            "config": run["config"], "shards": run["shards"]}
 
 
 def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: float) -> Summary:
@@ -403,17 +337,21 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
     summary = Summary(dst, len(done), len(plan.shards), len(figs), time.perf_counter() - t0,
                       sum(s.bytes_in for s in done), sum(s.bytes_out for s in done), layer_summary(figs),
                       status=status, worst=worst and {"tensor": worst.name, "rel_rmse": worst.rel_rmse})
+    source = _source_record(plan, run)
+    source_format = f"{plan.source.dialect} MXFP4"
     manifest = {
         "tool": "k3convert", "version": __version__, "status": status, "complete": False,
-        "source_format": SOURCE_FORMAT, "target_format": TARGET_FORMAT, "activation": plan.activation,
-        "source": {"path": plan.src, "config": run["config"], "shards": run["shards"]},
-        "options": run["options"], "shards": {n: r for n, r in records.items() if r},
+        "source_format": source_format, "target_format": TARGET_FORMAT, "activation": plan.activation,
+        "source": source, "options": run["options"], "digest_algorithm": DIGEST_ALGORITHM,
+        "shards": {n: r for n, r in records.items() if r},
     }
     if all_done and not failed:
         for rel in plan.other_files:
-            os.makedirs(os.path.dirname(os.path.join(dst, rel)) or dst, exist_ok=True)
-            shutil.copyfile(os.path.join(plan.src, rel), os.path.join(dst, rel))
-        write_json(os.path.join(dst, "config.json"), ckpt.int4_config(plan.config, plan.quant))
+            out = dest_file(dst, rel)
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            shutil.copyfile(os.path.join(plan.src, rel), out + ".tmp", follow_symlinks=True)
+            os.replace(out + ".tmp", out)
+        write_json(os.path.join(dst, "config.json"), plan.output_config())
         total = sum(t.nbytes for s in plan.shards for t in s.layout.tensors)
         write_json(os.path.join(dst, ckpt.INDEX),
                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(plan.weight_map().items()))})
@@ -421,9 +359,10 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
         write_rows(os.path.join(dst, TENSOR_TABLE), rows)
         write_json(os.path.join(dst, REPORT), {
             "tool": "k3convert", "version": __version__, "source": plan.src, "status": status,
-            "source_format": SOURCE_FORMAT, "target_format": TARGET_FORMAT, "activation": plan.activation,
-            "max_rel_rmse": options.max_rel_rmse, "tensors": len(figs), "worst": summary.worst,
-            "rel_rmse_mean": sum(r.rel_rmse for r in figs) / max(1, len(figs)),
+            "profile": source["profile"], "quantization": source["quantization"],
+            "dropped_tensors": plan.dropped, "source_format": source_format, "target_format": TARGET_FORMAT,
+            "activation": plan.activation, "max_rel_rmse": options.max_rel_rmse, "tensors": len(figs),
+            "worst": summary.worst, "rel_rmse_mean": sum(r.rel_rmse for r in figs) / max(1, len(figs)),
             "tensor_table": TENSOR_TABLE, "layers": summary.layers,
         })
     if all_done and not failed:

@@ -2,6 +2,11 @@
 
 Everything that can be checked without reading tensor data is checked here, and all
 problems are reported together, before any shard is converted.
+
+Writers shard by size, not by module, so a module's packed and scale tensors may sit in
+different shards, in either order. Pairs are made over the whole checkpoint; a converted
+module's three output tensors go to the shard that holds its packed tensor (the large one),
+which reads the scale from the other shard by offset (docs/decisions.md).
 """
 from __future__ import annotations
 
@@ -10,14 +15,17 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from . import __version__
+from . import __version__, profiles
 from .errors import BadInput
 from .formats import checkpoint as ckpt
+from .formats.checkpoint import PACKED, SCALE, SHAPE
 from .formats.safetensors_io import Header, Layout, OutTensor, TensorInfo, read_header
+from .safepath import source_file, source_roots
 
-PACKED, SCALE, SHAPE = "weight_packed", "weight_scale", "weight_shape"
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _EXPERT = re.compile(r"experts\.(\d+)\.")
+
+__all__ = ["PACKED", "SCALE", "SHAPE", "Convert", "Copy", "ShardPlan", "Plan", "build_plan"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,10 @@ class Convert:
     @property
     def groups(self) -> int:
         return self.rows * self.cols // 32
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale.nbytes
 
     def outputs(self) -> list[OutTensor]:
         return [
@@ -58,14 +70,22 @@ class Copy:
 
     info: TensorInfo
 
+    @property
+    def nbytes(self) -> int:
+        return self.info.nbytes
+
 
 Item = Union[Convert, Copy]
 
 
 @dataclass
 class ShardPlan:
+    """One output shard: what it holds, in which order, and which source files it reads."""
+
     name: str                 # file name, the same in SRC and DST
-    header: Header
+    path: str                 # the source shard
+    bytes_in: int             # the source shard's size
+    header_bytes: int         # its header (counted as read, for progress)
     items: list[Item]         # in source data order
     metadata: dict[str, str]  # the output shard's safetensors metadata
     layout: Layout = field(init=False)
@@ -82,22 +102,32 @@ class ShardPlan:
         return [it for it in self.items if isinstance(it, Convert)]
 
     @property
-    def bytes_in(self) -> int:
-        return self.header.file_size
+    def bytes_read(self) -> int:
+        """Source bytes this shard's conversion reads (its header, its items' tensors)."""
+        return self.header_bytes + sum(it.nbytes for it in self.items)
 
     @property
     def bytes_out(self) -> int:
         return self.layout.file_size
+
+    @property
+    def partners(self) -> list[str]:
+        """Other source shards it reads a module's tensor from (straddled pairs)."""
+        paths = {c.scale.path for c in self.converts} | {c.packed.path for c in self.converts}
+        return sorted(os.path.basename(p) for p in paths if p != self.path)
 
 
 @dataclass
 class Plan:
     src: str
     config: dict[str, Any]
-    quant: ckpt.SourceQuant
+    source: ckpt.MXFP4Source
+    profile: profiles.Profile
+    profile_reason: str
     activation: dict[str, Any]
     shards: list[ShardPlan]
-    other_files: list[str]    # copied byte-identical (tokenizer, chat template, *.py, ...)
+    other_files: list[str]         # copied byte-identical (tokenizer, chat template, *.py, ...)
+    dropped: list[str] = field(default_factory=list)  # tensors left out by --drop-activation-quant
 
     @property
     def bytes_in(self) -> int:
@@ -111,35 +141,51 @@ class Plan:
     def n_convert(self) -> int:
         return sum(len(s.converts) for s in self.shards)
 
+    @property
+    def straddled(self) -> int:
+        """Converted modules whose two tensors sit in different shards."""
+        return sum(c.scale.path != c.packed.path for s in self.shards for c in s.converts)
+
     def weight_map(self) -> dict[str, str]:
         return {t.name: s.name for s in self.shards for t in s.layout.tensors}
 
+    def output_config(self) -> dict[str, Any]:
+        converted = sorted(c.module for s in self.shards for c in s.converts)
+        kept = sorted({it.info.name[: -len(".weight")] for s in self.shards for it in s.items
+                       if isinstance(it, Copy) and it.info.name.endswith(".weight") and len(it.info.shape) == 2})
+        return self.source.int4_config(self.config, converted, kept)
 
-def shard_metadata(source: dict[str, str], activation: dict[str, Any]) -> dict[str, str]:
+
+def shard_metadata(source: dict[str, str], activation: dict[str, Any], what: str) -> dict[str, str]:
     """Each output shard states the format, the tool and the activation (SPEC §4)."""
     meta = dict(source)
     meta.setdefault("format", "pt")
     meta.update({k: str(v) for k, v in activation.items()})
-    meta["quantization"] = "compressed-tensors pack-quantized int4 group 32 (routed experts)"
+    meta["quantization"] = f"compressed-tensors pack-quantized int4 group 32 ({what})"
     meta["converted_by"] = f"k3convert {__version__}"
     return meta
 
 
-def _shard_items(header: Header, quant: ckpt.SourceQuant, problems: list[str]) -> list[Item]:
-    """Pair each selected module's packed/scale tensors; everything else is copied."""
-    tensors = header.tensors
-    path = header.path
+def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: list[str],
+          unread: set[str]) -> dict[str, Convert]:
+    """Every MXFP4 module of the checkpoint, its packed and scale tensors found in any shard
+    (``unread``: tensors of shards already reported missing or broken, not reported again)."""
+    suffix = "." + source.packed_suffix
+    quark = source.dialect == "quark"
     converts: dict[str, Convert] = {}
     for name, t in tensors.items():
-        if not name.endswith("." + PACKED):
+        if not name.endswith(suffix) or (quark and t.dtype != "U8"):  # Quark: a bf16 X.weight is unquantized
             continue
-        module = name[: -len(PACKED) - 1]
-        if not quant.selects(module):
+        module = name[: -len(suffix)]
+        scale = tensors.get(f"{module}.{source.scale_suffix}")
+        where = f"file {t.path}, tensor {name}"
+        if not source.selects(module):
+            problems.append(f"{where}: packed MXFP4, but the source's quantization config does not select "
+                            f"{module} (refusing to guess what it is)")
             continue
-        scale = tensors.get(f"{module}.{SCALE}")
-        where = f"file {path}, tensor {name}"
         if scale is None:
-            problems.append(f"{where}: no {SCALE} beside it in the same shard")
+            if f"{module}.{source.scale_suffix}" not in unread:
+                problems.append(f"{where}: no {source.scale_suffix} for it in any shard")
             continue
         if t.dtype != "U8" or scale.dtype != "U8":
             problems.append(f"{where}: expected uint8 packed and scale, got {t.dtype} and {scale.dtype}")
@@ -156,56 +202,95 @@ def _shard_items(header: Header, quant: ckpt.SourceQuant, problems: list[str]) -
                             f"(expected scale [{rows}, {cols // 32}])")
             continue
         converts[module] = Convert(module, t, scale, rows, cols)
-    produced = {o.name for c in converts.values() for o in c.outputs()}
-    items: list[tuple[int, Item]] = [(c.packed.start, c) for c in converts.values()]
-    items += [(t.start, Copy(t)) for n, t in tensors.items() if n not in produced]
-    items.sort(key=lambda x: x[0])
-    return [it for _, it in items]
+    return converts
 
 
-def shard_plan(src: str, shard: str, quant: ckpt.SourceQuant, act: dict[str, Any],
-               problems: list[str]) -> ShardPlan:
-    """One shard's plan from its header (also used by worker processes, from the name alone)."""
-    header = read_header(os.path.join(src, shard))
-    return ShardPlan(shard, header, _shard_items(header, quant, problems), shard_metadata(header.metadata, act))
-
-
-def build_plan(src: str) -> Plan:
-    """Check the whole source and plan the conversion, or raise BadInput listing every problem."""
-    src = os.path.abspath(src)
-    if not os.path.isdir(src):
-        raise BadInput("not a directory", file=src)
-    config_path = os.path.join(src, "config.json")
-    config = ckpt.load_json(config_path)
-    quant = ckpt.source_quant(config, config_path)
-    act = ckpt.activation(config, config_path)
-    wm = ckpt.weight_map(src)
-    problems: list[str] = []
-    by_shard: dict[str, list[str]] = {}
-    for name, shard in wm.items():
-        by_shard.setdefault(shard, []).append(name)
-    shards = []
+def _read_headers(src: str, by_shard: dict[str, list[str]], roots: tuple[str, ...],
+                  problems: list[str]) -> dict[str, Header]:
+    headers = {}
     for shard in sorted(by_shard):
         path = os.path.join(src, shard)
         if not os.path.exists(path):
             problems.append(f"file {path}: missing, but {ckpt.INDEX} names it for {len(by_shard[shard])} tensors")
             continue
         try:
-            sp = shard_plan(src, shard, quant, act, problems)
+            headers[shard] = read_header(source_file(src, shard, roots))
         except BadInput as e:
             problems.append(str(e))
             continue
         problems += [f"file {path}, tensor {name}: in {ckpt.INDEX} but not in the shard"
-                     for name in by_shard[shard] if name not in sp.header.tensors]
-        shards.append(sp)
-    if not problems and not any(s.converts for s in shards):
-        problems.append(f"directory {src}: the quantization config selects no weight_packed/weight_scale pair")
+                     for name in by_shard[shard] if name not in headers[shard].tensors]
+    return headers
+
+
+def _other_files(src: str, skip: set[str], roots: tuple[str, ...], problems: list[str]) -> list[str]:
+    """Side files (tokenizer, chat template, remote code) to copy; each must lie inside SRC."""
+    found = []
+    for d, dirs, files in os.walk(src):
+        dirs[:] = sorted(x for x in dirs if not x.startswith("."))  # .cache (HF downloads), .git
+        for f in sorted(files):
+            rel = os.path.relpath(os.path.join(d, f), src)
+            if rel in skip or f.startswith("k3convert_") or f.startswith("."):
+                continue
+            try:
+                source_file(src, rel, roots)
+            except BadInput as e:
+                problems.append(str(e))
+                continue
+            found.append(rel)
+    return found
+
+
+def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool = False) -> Plan:
+    """Check the whole source and plan the conversion, or raise BadInput listing every problem."""
+    src = os.path.abspath(src)
+    if not os.path.isdir(src):
+        raise BadInput("not a directory", file=src)
+    roots = source_roots(src)
+    config_path = source_file(src, "config.json", roots)
+    config = ckpt.load_json(config_path)
+    prof, why = profiles.choose(config, ckpt.dialect(config, config_path), profile)
+    source = ckpt.mxfp4_source(config, config_path, drop_activation_quant)
+    act = ckpt.activation(config, config_path, prof.required_activation)
+    wm = ckpt.weight_map(src)
+    problems: list[str] = []
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in wm.items():
+        by_shard.setdefault(shard, []).append(name)
+    headers = _read_headers(src, by_shard, roots, problems)
+
+    tensors: dict[str, TensorInfo] = {}
+    for shard, h in headers.items():
+        for name, t in h.tensors.items():
+            if name in tensors:
+                problems.append(f"tensor {name}: in both {os.path.basename(tensors[name].path)} and {shard}")
+            else:
+                tensors[name] = t
+    converts = _pair(tensors, source, problems, {n for n, shard in wm.items() if shard not in headers})
+    consumed = {t.name for c in converts.values() for t in (c.packed, c.scale)}
+    dropped = sorted(n for n in tensors if n not in consumed and n.endswith(source.dropped_tensors))
+    expected = profiles.expected_modules(prof, config)
+    if expected is not None and not problems:  # what the other checks cannot see: an index that lacks modules
+        problems += profiles.inventory_problems(
+            expected, {m: (c.rows, c.cols) for m, c in converts.items()}, wm)
+
+    by_packed: dict[str, list[Convert]] = {}
+    for c in converts.values():
+        by_packed.setdefault(c.packed.path, []).append(c)
+    skip = consumed | set(dropped)
+    what = "routed experts" if all(c.expert is not None for c in converts.values()) else "MXFP4 linears"
+    shards = []
+    for shard, h in headers.items():
+        items: list[tuple[int, Item]] = [(c.packed.start, c) for c in by_packed.get(h.path, [])]
+        items += [(t.start, Copy(t)) for n, t in h.tensors.items() if n not in skip]
+        items.sort(key=lambda x: x[0])
+        shards.append(ShardPlan(shard, h.path, h.file_size, h.data_start, [it for _, it in items],
+                                shard_metadata(h.metadata, act, what)))
+    if not problems and not converts:
+        problems.append(f"directory {src}: the quantization config selects no {source.packed_suffix}/"
+                        f"{source.scale_suffix} pair")
+    others = _other_files(src, {"config.json", ckpt.INDEX} | set(by_shard), roots, problems)
     if problems:
         raise BadInput(f"{len(problems)} problem(s) in {src}:\n  " + "\n  ".join(problems)
                        if len(problems) > 1 else problems[0])
-    skip = {"config.json", ckpt.INDEX} | set(by_shard)
-    others = sorted(
-        os.path.relpath(os.path.join(d, f), src)
-        for d, _, files in os.walk(src) for f in files
-        if os.path.relpath(os.path.join(d, f), src) not in skip and not f.startswith("k3convert_"))
-    return Plan(src, config, quant, act, shards, others)
+    return Plan(src, config, source, prof, why, act, shards, others, dropped)

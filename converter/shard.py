@@ -1,9 +1,11 @@
 """Convert one shard: read, requantize, write — overlapped, with memory bounded by a few batches.
 
-A reader thread fills buffers ahead (pinned when a GPU computes), the calling thread
-requantizes, a writer thread appends to the output in layout order; each stage holds at
-most ``DEPTH`` batches, so memory does not grow with the shard. Buffers come from small
-fixed pools and are reused: on a VM, touching fresh pages costs more than the copy itself.
+The output header is fixed before any data is written, so every piece of the output has
+a known offset: reader threads fill batches ahead (pinned when a GPU computes), the calling
+thread requantizes in order, and writer threads put each piece at its place in any order,
+while chunks are hashed as they complete. No single thread sees every byte, so no single
+core caps the rate. Buffers come from small fixed pools and are reused (on a VM, touching
+fresh pages costs more than the copy itself): memory does not grow with the shard.
 """
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import os
 import queue
 import time
 from collections import deque
-from itertools import islice
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -20,33 +21,57 @@ import numpy as np
 import torch
 
 from .errors import BadInput
+from .formats.checkpoint import PACKED, SCALE, SHAPE
 from .formats.safetensors_io import ShardWriter
-from .plan import PACKED, SCALE, SHAPE, Convert, ShardPlan
+from .plan import Convert, Copy, ShardPlan
 from .quant.requant import STAT_FIELDS, Result
-from .quant.cpu_kernel import output_error as cpu_output_error
 from .validate import TensorFigures, figures, output_error, probe
 
-DEPTH = 2
 COPY_PIECE = 16 << 20
-Requantizer = Callable[[torch.Tensor, torch.Tensor, list], Result]
+Requantizer = Callable[..., Result]
 
 
 @dataclass
 class ShardResult:
     name: str
-    sha256: str
+    digest: str
     bytes_out: int
     seconds: float
     figures: list[TensorFigures] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)  # busy seconds per stage (profile)
+
+
+class Stages(dict):
+    """Seconds spent per pipeline stage, summed over a shard: where a slow run spends its time.
+
+    ``read`` and ``write`` are summed over their threads; the ``wait_*`` entries are the
+    compute thread's stalls, so the stage it waits on most is the one that limits the run.
+    """
+
+    def time(self, name: str) -> "_Timer":
+        return _Timer(self, name)
+
+
+class _Timer:
+    __slots__ = ("stages", "name", "t0")
+
+    def __init__(self, stages: Stages, name: str):
+        self.stages, self.name = stages, name
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.stages[self.name] = self.stages.get(self.name, 0.0) + time.perf_counter() - self.t0
 
 
 @dataclass
 class _CopyPiece:
-    name: str
-    offset: int
+    info: object       # TensorInfo of the tensor
+    offset: int        # within the tensor
     size: int
     data: np.ndarray | None = None
-    buf: object = None  # pool buffer to give back once written
+    buf: object = None  # pool buffer, given back once written
 
 
 @dataclass
@@ -103,24 +128,33 @@ def _units(sp: ShardPlan, batch_groups: int):
             batch, size = [], 0
         info = it.info
         for off in range(0, max(info.nbytes, 1), COPY_PIECE):
-            yield _CopyPiece(info.name, info.start + off, min(COPY_PIECE, info.nbytes - off))
+            yield _CopyPiece(info, off, min(COPY_PIECE, info.nbytes - off))
     if batch:
         yield _Batch(batch)
 
 
 class ShardConverter:
-    """Converts shards with one requantizer (CPU reference or a GPU kernel) on ``device``."""
+    """Converts shards with one requantizer (CPU or GPU kernel) on ``device``.
+
+    ``readers``/``writers`` threads move the bytes; ``scale_shift`` is added (mod 256) to
+    every E8M0 byte as it is read (2 for compressed-tensors 0.13.0's bias-125 scales).
+    """
 
     def __init__(self, requantize: Requantizer, device: str = "cpu", batch_groups: int = 1 << 20,
-                 sample: Callable[[Convert], bool] = lambda c: True):
+                 sample: Callable[[Convert], bool] = lambda c: True, readers: int = 2, writers: int = 3,
+                 scale_shift: int = 0):
         self.requantize, self.device = requantize, torch.device(device)
-        self.batch_groups, self.sample = batch_groups, sample
+        self.batch_groups, self.sample, self.scale_shift = batch_groups, sample, scale_shift % 256
+        self.readers, self.writers = readers, writers
         self.pin = self.device.type == "cuda"
-        # in flight at most: DEPTH read ahead + 1 computing (inputs); 1 computing + DEPTH
-        # being written (outputs); DEPTH + 1 + DEPTH (copy pieces)
-        self._inputs = _Pool(DEPTH + 1, lambda: self._pair(torch.uint8))
-        self._outputs = _Pool(DEPTH + 1, lambda: self._pair(torch.int16))
-        self._copies = _Pool(2 * DEPTH + 1, lambda: np.empty(COPY_PIECE, dtype=np.uint8))
+        # at most: `readers` batches being read, one ready, one computing (inputs); one being
+        # filled and `writers` being written (outputs); copy pieces likewise
+        self._inputs = _Pool(readers + 2, lambda: self._pair(torch.uint8))
+        self._outputs = _Pool(writers + 1, lambda: self._pair(torch.int16))
+        self._copies = _Pool(readers + writers + 2, lambda: np.empty(COPY_PIECE, dtype=np.uint8))
+        if self.device.type == "cpu":
+            from .quant.cpu_kernel import output_error as cpu_output_error  # numba: CPU path only
+            self._cpu_output_error = cpu_output_error
 
     def _pair(self, scale_dtype: torch.dtype, groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         g = groups or self.batch_groups
@@ -131,24 +165,28 @@ class ShardConverter:
         """A pool buffer, or for a tensor larger than a batch a buffer of its own (not pooled)."""
         return pool.get() if groups <= self.batch_groups else self._pair(scale_dtype, groups)
 
-    def _read(self, fd: int, path: str, unit):
-        if isinstance(unit, _CopyPiece):
-            unit.buf = self._copies.get()
-            unit.data = unit.buf[:unit.size]
-            _pread(fd, unit.data, unit.offset, path, unit.name)
-            return unit
-        groups = unit.groups
-        unit.buf = self._take(self._inputs, groups, torch.uint8)
-        packed, scales = unit.buf[0][:groups], unit.buf[1][:groups]
-        pn, sn, g = packed.numpy(), scales.numpy(), 0
-        for c in unit.items:
-            _pread(fd, pn[g:g + c.groups], c.packed.start, path, c.packed.name)
-            _pread(fd, sn[g:g + c.groups], c.scale.start, path, c.scale.name)
-            g += c.groups
-        unit.packed, unit.scales = packed, scales
-        return unit
+    # ------------------------------------------------------------------ stages
 
-    def _compute(self, path: str, batch: _Batch, out_buf) -> tuple[list[tuple[str, object]], list[TensorFigures]]:
+    def _read(self, fds: dict[str, int], unit, stages: Stages):
+        with stages.time("read"):
+            if isinstance(unit, _CopyPiece):
+                unit.data = unit.buf[:unit.size]
+                info = unit.info
+                _pread(fds[info.path], unit.data, info.start + unit.offset, info.path, info.name)
+                return unit
+            packed, scales = unit.buf[0][:unit.groups], unit.buf[1][:unit.groups]
+            pn, sn, g = packed.numpy(), scales.numpy(), 0
+            for c in unit.items:
+                _pread(fds[c.packed.path], pn[g:g + c.groups], c.packed.start, c.packed.path, c.packed.name)
+                _pread(fds[c.scale.path], sn[g:g + c.groups], c.scale.start, c.scale.path, c.scale.name)
+                g += c.groups
+            if self.scale_shift:
+                np.add(sn, self.scale_shift, out=sn)  # uint8: wraps mod 256 (254 + 2 = 0)
+            unit.packed, unit.scales = packed, scales
+            return unit
+
+    def _compute(self, batch: _Batch, out_buf, stages: Stages
+                 ) -> tuple[list[tuple[str, object]], list[TensorFigures]]:
         offsets = np.cumsum([0] + [c.groups for c in batch.items]).tolist()
         dev = self.device
         groups = offsets[-1]
@@ -162,29 +200,33 @@ class ShardConverter:
             res = self.requantize(packed, scales, offsets)
             out_packed.copy_(res.packed, non_blocking=True)
             out_scales.copy_(res.scales, non_blocking=True)
-        stats = res.stats.cpu().tolist()  # stream-ordered: the copies above are done too
+        with stages.time("compute_sync"):
+            stats = res.stats.cpu().tolist()  # stream-ordered: the copies above are done too
         pieces, figs = [], []
         nan_col, oor_col = STAT_FIELDS.index("nan_scale"), STAT_FIELDS.index("out_of_range")
         for i, c in enumerate(batch.items):
             lo, hi = offsets[i], offsets[i + 1]
             st = stats[i]
             if st[nan_col]:
-                raise BadInput(f"{int(st[nan_col])} E8M0 scale byte(s) are 255 (NaN)", file=path, tensor=c.scale.name)
+                shifted = f" (after the +{self.scale_shift} bias correction)" if self.scale_shift else ""
+                raise BadInput(f"{int(st[nan_col])} E8M0 scale byte(s) are 255 (NaN){shifted}",
+                               file=c.scale.path, tensor=c.scale.name)
             if st[oor_col]:
                 raise BadInput(f"{int(st[oor_col])} group(s) need an int4 scale outside bf16's normal range "
-                               "(E8M0 exponent too close to 0 or 254)", file=path, tensor=c.scale.name)
+                               "(E8M0 exponent too close to 0 or 254)", file=c.scale.path, tensor=c.scale.name)
             out_rel = None
-            sampled = self.sample(c)
-            if sampled and dev.type == "cpu":
-                out_rel = cpu_output_error(batch.packed[lo:hi], batch.scales[lo:hi], out_packed[lo:hi],
-                                           out_scales[lo:hi], c.cols, probe(c.cols))
-            elif sampled:
-                out_rel = output_error(
-                    packed[lo:hi].reshape(c.rows, c.cols // 2), scales[lo:hi].reshape(c.rows, c.cols // 32),
-                    res.packed[lo:hi].reshape(c.rows, -1).view(torch.int32),
-                    res.scales[lo:hi].reshape(c.rows, c.cols // 32))
-            nonfinite = 0  # scales are finite by construction: bad groups raise above
-            figs.append(figures(f"{c.module}.{PACKED}", c.layer, st[0], st[1], st[2], nonfinite, out_rel))
+            if self.sample(c):
+                with stages.time("sample"):
+                    if dev.type == "cpu":
+                        out_rel = self._cpu_output_error(batch.packed[lo:hi], batch.scales[lo:hi], out_packed[lo:hi],
+                                                         out_scales[lo:hi], c.cols, probe(c.cols))
+                    else:
+                        out_rel = output_error(
+                            packed[lo:hi].reshape(c.rows, c.cols // 2), scales[lo:hi].reshape(c.rows, c.cols // 32),
+                            res.packed[lo:hi].reshape(c.rows, -1).view(torch.int32),
+                            res.scales[lo:hi].reshape(c.rows, c.cols // 32))
+            # scales are finite by construction: groups that would not be raise above
+            figs.append(figures(f"{c.module}.{PACKED}", c.layer, st[0], st[1], st[2], 0, out_rel))
             pieces += [
                 (f"{c.module}.{PACKED}", out_packed[lo:hi].numpy()),
                 (f"{c.module}.{SCALE}", out_scales[lo:hi].view(torch.uint8).numpy()),
@@ -192,55 +234,80 @@ class ShardConverter:
             ]
         return pieces, figs
 
+    @staticmethod
+    def _write(writer: ShardWriter, pieces, offset: int, pool: _Pool | None, buf, progress, nbytes: int,
+               stages: Stages) -> None:
+        try:
+            with stages.time("write"):
+                for name, data in pieces:
+                    writer.write(name, data, offset)
+        finally:  # also on error: the compute thread may be waiting for this buffer
+            if pool is not None:
+                pool.put(buf)
+        progress(nbytes)
+
+    # ------------------------------------------------------------------ a shard
+
     def convert(self, sp: ShardPlan, dst_dir: str, progress: Callable[[int], None] = lambda n: None) -> ShardResult:
         """Write ``dst_dir/<shard>``; on any error the partial file is removed."""
         t0 = time.perf_counter()
-        path = sp.header.path
-        writer = ShardWriter(os.path.join(dst_dir, sp.name), sp.layout)
         figs: list[TensorFigures] = []
-        fd = -1
+        stages = Stages()
+        fds: dict[str, int] = {}
+        writer = ShardWriter(os.path.join(dst_dir, sp.name), sp.layout)
         try:  # from here on anything (Ctrl-C too) drops the .partial
-            progress(sp.header.data_start)  # progress counts source bytes: the header, then tensors
-            fd = os.open(path, os.O_RDONLY)
-            with ThreadPoolExecutor(1, "k3-read") as rd, ThreadPoolExecutor(1, "k3-write") as wr:
-                units = _units(sp, self.batch_groups)
-                reads: deque[Future] = deque(rd.submit(self._read, fd, path, u) for u in islice(units, DEPTH))
-                writes: deque[Future] = deque()
-                while reads:
-                    unit = reads.popleft().result()
-                    nxt = next(units, None)
-                    if nxt is not None:
-                        reads.append(rd.submit(self._read, fd, path, nxt))
-                    if isinstance(unit, _CopyPiece):
-                        pieces, nbytes, done = [(unit.name, unit.data)], unit.size, (self._copies, unit.buf)
-                    else:
-                        out_buf = self._take(self._outputs, unit.groups, torch.int16)
-                        pieces, f = self._compute(path, unit, out_buf)
-                        pooled = unit.groups <= self.batch_groups
-                        if pooled:
-                            self._inputs.put(unit.buf)
-                        figs += f
-                        nbytes = sum(c.packed.nbytes + c.scale.nbytes for c in unit.items)
-                        done = (self._outputs, out_buf if pooled else None)
-                    while len(writes) >= DEPTH:
-                        writes.popleft().result()
-                    writes.append(wr.submit(self._write_all, writer, pieces, progress, nbytes, done))
-                for w in writes:
-                    w.result()
-            sha = writer.close()
+            for p in [sp.path] + [os.path.join(os.path.dirname(sp.path), n) for n in sp.partners]:
+                fds[p] = os.open(p, os.O_RDONLY)
+            progress(sp.header_bytes)  # progress counts source bytes read: the header, then tensors
+            with ThreadPoolExecutor(self.readers, "k3-read") as rd, ThreadPoolExecutor(self.writers, "k3-write") as wr:
+                self._run(sp, writer, fds, rd, wr, figs, stages, progress)
+            with stages.time("close_fsync"):
+                digest = writer.close()
         except BaseException:
             writer.abort()
             raise
         finally:
-            if fd >= 0:
+            for fd in fds.values():
                 os.close(fd)
-        return ShardResult(sp.name, sha, sp.bytes_out, time.perf_counter() - t0, figs)
+        return ShardResult(sp.name, digest, sp.bytes_out, time.perf_counter() - t0, figs, dict(stages))
 
-    @staticmethod
-    def _write_all(writer, pieces, progress, nbytes: int, done: tuple) -> None:
-        for name, data in pieces:
-            writer.write(name, data)
-        pool, buf = done
-        if buf is not None:
-            pool.put(buf)
-        progress(nbytes)
+    def _run(self, sp: ShardPlan, writer: ShardWriter, fds: dict[str, int], rd: ThreadPoolExecutor,
+             wr: ThreadPoolExecutor, figs: list[TensorFigures], stages: Stages, progress) -> None:
+        units = _units(sp, self.batch_groups)
+        reads: deque[Future] = deque()
+        writes: deque[Future] = deque()
+
+        def read_next() -> None:
+            unit = next(units, None)
+            if unit is None:
+                return
+            with stages.time("wait_write"):  # copy buffers come back from the writers
+                unit.buf = self._copies.get() if isinstance(unit, _CopyPiece) else \
+                    self._take(self._inputs, unit.groups, torch.uint8)
+            reads.append(rd.submit(self._read, fds, unit, stages))
+
+        for _ in range(self.readers + 1):
+            read_next()
+        while reads:
+            with stages.time("wait_read"):
+                unit = reads.popleft().result()
+            read_next()
+            while writes and writes[0].done():
+                writes.popleft().result()  # a writer's error stops the shard here
+            if isinstance(unit, _CopyPiece):
+                writes.append(wr.submit(self._write, writer, [(unit.info.name, unit.data)], unit.offset,
+                                        self._copies, unit.buf, progress, unit.size, stages))
+                continue
+            with stages.time("wait_write"):
+                out_buf = self._take(self._outputs, unit.groups, torch.int16)
+            with stages.time("compute"):
+                pieces, f = self._compute(unit, out_buf, stages)
+            pooled = unit.groups <= self.batch_groups
+            if pooled:
+                self._inputs.put(unit.buf)
+            figs += f
+            writes.append(wr.submit(self._write, writer, pieces, 0, self._outputs if pooled else None, out_buf,
+                                    progress, sum(c.nbytes for c in unit.items), stages))
+        with stages.time("wait_write"):
+            for w in writes:
+                w.result()

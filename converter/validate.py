@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are used: the coordinating process never needs it
+    import torch
 
-from .formats import int4, mxfp4
 
 
 @dataclass
@@ -30,11 +31,13 @@ def figures(name: str, layer: int | None, err2: float, ref2: float, max_abs: flo
     return TensorFigures(name, layer, rel, max_abs, snr, nonfinite, out_rel)
 
 
-_PROBES: dict[tuple[int, str], torch.Tensor] = {}
+_PROBES: dict[tuple[int, str], "torch.Tensor"] = {}
 
 
-def probe(cols: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def probe(cols: int, device: "torch.device | str" = "cpu") -> "torch.Tensor":
     """The fixed random input x for output errors: the same for a given width on every run."""
+    import torch
+
     key = (cols, str(device))
     if key not in _PROBES:
         x = torch.randn(cols, generator=torch.Generator().manual_seed(cols))
@@ -42,8 +45,13 @@ def probe(cols: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return _PROBES[key]
 
 
-def output_error(packed: torch.Tensor, scales: torch.Tensor, words: torch.Tensor, int4_scales: torch.Tensor) -> float:
+def output_error(packed: "torch.Tensor", scales: "torch.Tensor", words: "torch.Tensor",
+                 int4_scales: "torch.Tensor") -> float:
     """||(W_int4 - W) x|| / ||W x|| for the fixed probe x, decoding on the tensors' device (GPU)."""
+    import torch
+
+    from .formats import int4, mxfp4
+
     w = mxfp4.decode(packed, scales)
     x = probe(w.shape[1], w.device)
     ref = w @ x

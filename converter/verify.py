@@ -20,7 +20,8 @@ import torch
 from .errors import BadInput, ConvertError, VerifyFailed
 from .formats import checkpoint as ckpt
 from .formats.safetensors_io import Header, TensorInfo, read_header
-from .manifest import MANIFEST, REPORT, TENSOR_TABLE, read_json, read_rows, sha256_file
+from .digest import file_digest
+from .manifest import MANIFEST, REPORT, TENSOR_TABLE, read_json, read_rows
 from .plan import PACKED, SCALE, SHAPE
 
 REL_TOL = 1e-6         # re-decoded relative RMSE vs the recorded figure
@@ -181,17 +182,18 @@ def _check_checksums(d: _Dst, workers: int) -> Check:
         elif os.path.getsize(path) != rec.get("bytes"):
             c.fail(f"{name}: {os.path.getsize(path)} bytes, manifest says {rec.get('bytes')}")
         else:
-            todo.append((name, path, rec.get("sha256")))
-    # hashlib releases the GIL on large blocks: a few threads keep several disks busy
+            todo.append((name, path, rec.get("digest")))
+    # each shard's chunks are hashed in parallel (converter.digest); a few shards at a time
+    # keep several disks busy
     with ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
-        for (name, _, want), got in zip(todo, pool.map(lambda t: sha256_file(t[1]), todo)):
+        for (name, _, want), got in zip(todo, pool.map(lambda t: file_digest(t[1]), todo)):
             if got != want:
-                c.fail(f"{name}: SHA-256 {got} does not match the manifest's {want}")
+                c.fail(f"{name}: digest {got} does not match the manifest's {want}")
     indexed = set(((d.index or {}).get("weight_map") or {}).values())
     for name in sorted(indexed - set(shards)):
         c.fail(f"{name}: named by {ckpt.INDEX} but has no manifest entry (no checksum to check)")
     total = sum(int(r.get("bytes") or 0) for r in shards.values())
-    c.summary = f"{len(shards)} shard(s), {total / 1e9:.3f} GB: SHA-256 and sizes against the manifest"
+    c.summary = f"{len(shards)} shard(s), {total / 1e9:.3f} GB: digests (chunked SHA-256) and sizes against the manifest"
     return c
 
 
@@ -476,12 +478,15 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
     copy = Check("passthrough")
     result.decoder, read_int4 = _int4_reader()
     s_t, d_t = _Tensors(src, src_wm), _Tensors(d.path, {t: s for t, (s, _) in d.where.items()})
+    # the source's dialect, as the conversion recorded it: tensor names and E8M0 bias
+    quant = (d.manifest.get("source") or {}).get("quantization") or {}
+    packed_suffix, bias = quant.get("packed_suffix", PACKED), int(quant.get("scale_bias", 127))
     names = spread(sorted(rows), sample)
     worst_dev, opt_groups = 0.0, 0
     for i, name in enumerate(names):
         m = name[: -len(PACKED) - 1]
         try:
-            w = mxfp4.decode(s_t.get(f"{m}.{PACKED}"), s_t.get(f"{m}.{SCALE}")).double()
+            w = mxfp4.decode(s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{SCALE}"), bias).double()
         except KeyError as e:
             c.fail(f"{m}: the source has no {e.args[0]}")
             continue
@@ -543,11 +548,12 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
 # --------------------------------------------------------------------------- entry point
 
 def verify(dst: str, source: str | None = None, sample: int | None = 8, *, checksums: bool = True,
-           workers: int = 4) -> VerifyResult:
+           workers: int = 4, serving: tuple[str, int] | None = None) -> VerifyResult:
     """Verify DST; problems are listed in the result (BadInput only when DST or SRC is unreadable).
 
     ``sample``: converted tensors re-decoded when ``source`` is given (None: every one).
     ``checksums=False`` skips hashing the shards (the structural checks stay).
+    ``serving=(server, tp)`` adds the "serving" check: the rules of that server's int4 MoE path.
     """
     files, index, config = Check("files"), Check("index"), Check("config")
     d = _load(dst, files, index, config)
@@ -571,4 +577,7 @@ def verify(dst: str, source: str | None = None, sample: int | None = 8, *, check
         where = (d.manifest.get("source") or {}).get("path")
         result.checks.append(Check("re-decode", f"not run: give --source (the manifest names {where})",
                                    skipped=True))
+    if serving is not None:
+        from .serving import serving_check
+        result.checks.append(serving_check(d.config, {t: info for t, (_, info) in d.where.items()}, *serving))
     return result

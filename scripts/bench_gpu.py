@@ -1,16 +1,23 @@
-"""GPU benchmark (issue: GPU conversion), in one run on the device machine.
+"""End-to-end benchmark on a GPU machine, side by side with ``cp``, in one run.
 
-1. kernel throughput (bytes in + out per second) against a device-to-device copy, same run;
-2. end-to-end wall time against ``cp`` of the same checkpoint to the same disk, page cache
-   dropped before each (cold) and not (warm);
-3. one GPU against all visible GPUs, warm;
-4. the CPU path (every core) on the same machine, warm.
+For each conversion: wall time, start-up (command to the first shard started), the steady
+rate (source bytes from the first shard's start to the last shard's fsync), peak RSS of the
+largest process, and where the time went per stage (summed over shards from the shard
+records in DST/.k3convert). Outputs of every run must be byte-identical (checked).
 
-    PYTHONPATH=. python scripts/bench_gpu.py --dir /tmp/k3gpu --gb 20 [--skip-cpu]
+    # memory-resident: source and output in tmpfs, so the disk plays no part
+    PYTHONPATH=. python scripts/bench_gpu.py --memory --gb 12 --shards 8
+    # from disk, page cache dropped before each run
+    PYTHONPATH=. python scripts/bench_gpu.py --dir /var/tmp/k3 --gb 12 --shards 8 --cold
+    # before/after: also run an older checkout of the package (a directory holding converter/)
+    PYTHONPATH=. python scripts/bench_gpu.py --memory --old /path/to/old/checkout
+
+The kernel alone is measured by scripts/bench_kernel.py.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -18,17 +25,7 @@ import subprocess
 import sys
 import time
 
-import torch
-
-CLI = [sys.executable, "-m", "converter"]
-
-
-def sh(cmd: list[str], env: dict | None = None) -> float:
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    if r.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout.decode()[-4000:]}")
-    return time.perf_counter() - t0
+STAGES = ("read", "wait_read", "compute", "compute_sync", "sample", "write", "hash", "wait_write", "close_fsync")
 
 
 def drop_caches() -> bool:
@@ -41,93 +38,121 @@ def drop_caches() -> bool:
         return False
 
 
-def kernel_rate(groups: int = 1 << 26) -> dict:
-    """Kernel bytes (17 in + 18 out per group) per second vs a same-size device copy."""
-    import triton.testing
+def sh(cmd: list[str], cwd: str | None = None) -> float:
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd)
+    if r.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout.decode()[-4000:]}")
+    return time.perf_counter() - t0
 
-    from converter.kernels.triton_requant import requantize
-    from converter.quant import requant
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(dev).manual_seed(0)
-    w = torch.randn(groups, 32, device=dev, generator=gen)
-    w = w / torch.sqrt(torch.empty_like(w).exponential_(0.5, generator=gen) / 2)
-    from converter.formats.mxfp4 import encode
-    packed, scales = encode(w.reshape(-1, 32 * 64))  # rows of 64 groups
-    packed, scales = packed.reshape(-1, 16), scales.reshape(-1)
-    del w
-    offsets = torch.arange(0, groups + 1, groups // 256, device=dev)  # 256 tensors in the batch
-    ms = triton.testing.do_bench(lambda: requantize(packed, scales, offsets), return_mode="median")
-    nbytes = groups * (17 + 18)
-    buf = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
-    out = torch.empty_like(buf)
-    copy_ms = triton.testing.do_bench(lambda: out.copy_(buf), return_mode="median")
-    res = requantize(packed[: 1 << 20], scales[: 1 << 20])
-    ref = requant.requantize(packed[: 1 << 20].cpu(), scales[: 1 << 20].cpu())
-    same = torch.equal(res.packed.cpu(), ref.packed) and torch.equal(
-        res.scales.cpu().view(torch.int16), ref.scales.view(torch.int16))
-    return {"groups": groups, "kernel_ms": ms, "kernel_GBps": nbytes / ms / 1e6,
-            "copy_GBps": 2 * buf.numel() / copy_ms / 1e6, "ratio": (nbytes / ms) / (2 * buf.numel() / copy_ms),
-            "bytes_equal_cpu_on_1M_groups": same}
+def convert(code: str, src: str, dst: str, devices: str, workers: int, cold: bool) -> dict:
+    """One conversion with the package found in ``code``; timings from its JSON events."""
+    shutil.rmtree(dst, ignore_errors=True)
+    dropped = drop_caches() if cold else None
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (code, os.environ.get("PYTHONPATH")) if x)}
+    # a wrapper process reports the peak RSS of the largest process below it (CLI or worker)
+    wrap = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+            "print('{\"maxrss_kB\": %d}' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+            "sys.exit(r.returncode)")
+    cmd = [sys.executable, "-c", wrap, sys.executable, "-m", "converter", "mxfp4-to-int4", src, "-o", dst,
+           "--progress", "json", "--devices", devices, "--workers", str(workers)]
+    t0 = time.time()
+    # cwd too: ``python -m`` puts the working directory first on sys.path
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=code)
+    wall = time.time() - t0
+    if r.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr.decode()[-4000:]}")
+    events = [json.loads(line) for line in r.stderr.decode().splitlines() if line.startswith("{")]
+    starts = [e["time"] for e in events if e.get("event") == "start"]
+    dones = [e["time"] for e in events if e.get("event") == "done"]
+    size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(src, "*.safetensors")))
+    stages: dict[str, float] = {}
+    for rec in glob.glob(os.path.join(dst, ".k3convert", "*.done.json")):
+        with open(rec) as f:
+            for k, v in (json.load(f).get("stages") or {}).items():
+                stages[k] = stages.get(k, 0.0) + v
+    with open(os.path.join(dst, "k3convert_manifest.json")) as f:
+        shas = {n: r["sha256"] if "sha256" in r else r.get("digest") for n, r in json.load(f)["shards"].items()}
+    steady = max(dones) - min(starts)
+    return {"wall_s": wall, "startup_s": min(starts) - t0, "steady_s": steady, "steady_GBps": size / steady / 1e9,
+            "wall_GBps": size / wall / 1e9, "cache_dropped": dropped, "stages": stages, "digests": shas,
+            "maxrss_GB": next(e["maxrss_kB"] for e in events if "maxrss_kB" in e) * 1024 / 1e9}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", default="/tmp/k3gpu")
-    ap.add_argument("--gb", type=float, default=20.0, help="size of the MXFP4 checkpoint to build")
+    ap.add_argument("--dir", default="/var/tmp/k3bench", help="where source and outputs go (--memory: /dev/shm)")
+    ap.add_argument("--memory", action="store_true", help="source and output in tmpfs (/dev/shm)")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each run (disk mode)")
+    ap.add_argument("--gb", type=float, default=12.0, help="size of the MXFP4 checkpoint to build")
     ap.add_argument("--shards", type=int, default=8)
-    ap.add_argument("--skip-cpu", action="store_true")
-    ap.add_argument("--cold-only", action="store_true", help="only the cold-cache runs (saves device time)")
+    ap.add_argument("--new", default=None, help="the checkout to measure [default: this script's]")
+    ap.add_argument("--old", default=None, help="an older checkout (holding converter/) to measure too")
+    ap.add_argument("--cpu-workers", type=int, default=0, help="also run --devices cpu with this many workers")
+    ap.add_argument("--runs", default="1gpu,allgpu", help="comma list of 1gpu, allgpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    res: dict = {"date": time.strftime("%Y-%m-%d"), "gpus": torch.cuda.device_count(),
-                 "gpu": torch.cuda.get_device_name(0), "cpus": os.cpu_count()}
-    res["kernel"] = kernel_rate()
-    print(json.dumps(res["kernel"]), flush=True)
+    import torch
 
-    src = os.path.join(args.dir, "src")
+    root = "/dev/shm/k3bench" if args.memory else args.dir
+    os.makedirs(root, exist_ok=True)
+    src = os.path.join(root, "src")
+    here = os.path.abspath(args.new or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpus": torch.cuda.device_count(),
+                 "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                 "cpus": os.cpu_count(), "memory_resident": args.memory, "cold": args.cold, "runs": {}}
     per_expert = 3 * (3072 * 3584 // 2 + 3072 * 3584 // 32)
     layers = args.shards + 1
     experts = max(1, int(args.gb * 1e9 / per_expert / (layers - 1)))
     if not os.path.exists(os.path.join(src, "config.json")):
-        res["build_s"] = sh(CLI + ["make-fixture", src, "--real-dims", "--layers", str(layers), "--experts",
-                                   str(experts), "--shards", str(args.shards), "--device", "cuda"])
-    size = sum(e.stat().st_size for e in os.scandir(src) if e.name.endswith(".safetensors"))
+        res["build_s"] = sh([sys.executable, "-m", "converter", "make-fixture", src, "--real-dims", "--layers",
+                             str(layers), "--experts", str(experts), "--shards", str(args.shards), "--device",
+                             "cuda" if torch.cuda.is_available() else "cpu"], cwd=here)
+    size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(src, "*.safetensors")))
     res["checkpoint_GB"] = size / 1e9
-    print(f"checkpoint {size / 1e9:.1f} GB, {experts} experts x {layers - 1} MoE layers", flush=True)
+    print(f"checkpoint {size / 1e9:.2f} GB in {args.shards} shards, {experts} experts x {layers - 1} MoE layers "
+          f"({'tmpfs' if args.memory else root})", flush=True)
 
-    def run(name: str, cmd: list[str], dst: str, cold: bool) -> None:
-        shutil.rmtree(dst, ignore_errors=True)
-        dropped = drop_caches() if cold else None
-        t = sh(cmd)
-        res[name] = {"s": t, "GBps_in": size / t / 1e9, "cache_dropped": dropped}
-        print(f"{name:24} {t:7.2f} s  {size / t / 1e9:6.2f} GB/s", flush=True)
-        shutil.rmtree(dst, ignore_errors=True)
+    cp_dst = os.path.join(root, "cp")
+    for name, cmd in (("cp", f"cp -r {src} {cp_dst}"), ("cp_sync", f"cp -r {src} {cp_dst} && sync")):
+        shutil.rmtree(cp_dst, ignore_errors=True)
+        dropped = drop_caches() if args.cold else None
+        t = sh(["sh", "-c", cmd])
+        res["runs"][name] = {"wall_s": t, "wall_GBps": size / t / 1e9, "cache_dropped": dropped}
+        print(f"{name:22} {t:7.2f} s  {size / t / 1e9:6.2f} GB/s", flush=True)
+    shutil.rmtree(cp_dst, ignore_errors=True)
 
-    cp_dst, out = os.path.join(args.dir, "cp"), os.path.join(args.dir, "out")
-    conv = CLI + ["mxfp4-to-int4", src, "-o", out, "--progress", "none"]
-    run("cp_cold", ["cp", "-r", src, cp_dst], cp_dst, cold=True)
-    # cp returns with its writes still in the page cache; k3convert fsyncs every shard (a DST
-    # is complete only when durable), so the like-for-like copy is cp followed by sync
-    run("cp_sync_cold", ["sh", "-c", f"cp -r {src} {cp_dst} && sync"], cp_dst, cold=True)
-    run("convert_1gpu_cold", conv + ["--devices", "cuda:0"], out, cold=True)
-    if not args.cold_only:
-        run("cp_warm", ["cp", "-r", src, cp_dst], cp_dst, cold=False)
-        run("cp_sync_warm", ["sh", "-c", f"cp -r {src} {cp_dst} && sync"], cp_dst, cold=False)
-        run("convert_1gpu_warm", conv + ["--devices", "cuda:0"], out, cold=False)
-    if torch.cuda.device_count() > 1:
-        devs = ",".join(f"cuda:{i}" for i in range(torch.cuda.device_count()))
-        run("convert_allgpu_cold", conv + ["--devices", devs], out, cold=True)
-        if not args.cold_only:
-            run("convert_allgpu_warm", conv + ["--devices", devs], out, cold=False)
-            res["scaling_warm"] = res["convert_1gpu_warm"]["s"] / res["convert_allgpu_warm"]["s"]
-    if not args.skip_cpu:
-        run("convert_cpu_warm", conv + ["--devices", "cpu", "--workers", str(max(1, (os.cpu_count() or 2) // 2))],
-            out, cold=False)
-    res["ratio_1gpu_cold_vs_cp_cold"] = res["convert_1gpu_cold"]["s"] / res["cp_cold"]["s"]
-    res["ratio_1gpu_cold_vs_cp_sync_cold"] = res["convert_1gpu_cold"]["s"] / res["cp_sync_cold"]["s"]
-    print(json.dumps(res, indent=2))
-    with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
+    gpus = torch.cuda.device_count()
+    plans = []
+    if "1gpu" in args.runs and gpus:
+        plans.append(("1gpu", "cuda:0", 1))
+    if "allgpu" in args.runs and gpus > 1:
+        plans.append((f"{gpus}gpu", ",".join(f"cuda:{i}" for i in range(gpus)), 1))
+    if args.cpu_workers:
+        plans.append((f"cpu{args.cpu_workers}", "cpu", args.cpu_workers))
+    codes = [("new", here)] + ([("old", os.path.abspath(args.old))] if args.old else [])
+    out = os.path.join(root, "out")
+    reference = None
+    for label, devices, workers in plans:
+        for version, code in codes:
+            name = f"{version}_{label}"
+            r = convert(code, src, out, devices, workers, args.cold)
+            if reference is None:  # the first run's shards are the reference for every other run
+                reference = os.path.join(root, "ref")
+                shutil.rmtree(reference, ignore_errors=True)
+                shutil.copytree(out, reference, ignore=shutil.ignore_patterns(".k3convert"))
+            r["identical_to_first_run"] = all(
+                subprocess.run(["cmp", "-s", os.path.join(out, n), os.path.join(reference, n)]).returncode == 0
+                for n in r["digests"])
+            r.pop("digests")
+            res["runs"][name] = r
+            st = " ".join(f"{k}={v:.1f}" for k, v in sorted(r["stages"].items()))
+            print(f"{name:22} {r['wall_s']:7.2f} s  {r['wall_GBps']:6.2f} GB/s wall, steady {r['steady_GBps']:.2f} "
+                  f"GB/s, start-up {r['startup_s']:.2f} s, maxrss {r['maxrss_GB']:.2f} GB | {st}", flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(os.path.join(root, "ref"), ignore_errors=True)
+    with open(os.path.join(args.out, f"bench_gpu_{'mem' if args.memory else 'disk'}.json"), "w") as f:
         json.dump(res, f, indent=2)
     return 0
 

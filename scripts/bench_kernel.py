@@ -31,7 +31,8 @@ VARIANTS = {  # the first one is the reference for "same bytes"
     "warps8": {"num_warps": 8},
     "pps1": {"programs_per_sm": 1},
     "pps4": {"programs_per_sm": 4},
-    "stages1": {"num_stages": 1},
+    "stages1": {"num_stages": 1},  # = launch_config("gfx942"/"gfx90a")
+    "gfx950": {"block_groups": 64, "nsplit": 2, "num_stages": 1},  # = launch_config("gfx950"), other gfx
     "regs168": {"maxnreg": 168, "programs_per_sm": 3},
     "no_stats": {"stats": False},
     "force_exact": {"force_exact": True},

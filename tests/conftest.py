@@ -84,6 +84,20 @@ def sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def chunked_sha256(path: str, chunk: int = 64 << 20) -> str:
+    """The manifest's shard digest, by its definition: SHA-256 of the SHA-256s of 64 MiB chunks."""
+    digests = []
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block and digests:
+                break
+            digests.append(hashlib.sha256(block).digest())
+            if len(block) < chunk:
+                break
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
 def tree_hash(root: str) -> dict[str, str]:
     """relpath -> sha256 of every file under root (hidden ones included)."""
     out = {}

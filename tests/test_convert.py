@@ -17,7 +17,7 @@ from converter.formats import int4
 from converter.manifest import read_rows
 from converter.pipeline import Options, convert
 
-from conftest import (INDEX, MANIFEST, REPORT, SPEC, TABLE, all_tensors, assert_clean_error, ct_int4_q,
+from conftest import (INDEX, MANIFEST, REPORT, SPEC, TABLE, all_tensors, assert_clean_error, chunked_sha256, ct_int4_q,
                       ct_mxfp4_encode, ct_mxfp4_values, expert_modules, load_shard, raw_header, read_json,
                       run_cli, sha256, shard_names, tensor_bytes, tree_hash, write_json)
 
@@ -245,7 +245,7 @@ def test_side_files_manifest_and_untouched_source(converted):
     assert manifest["complete"] is True and manifest["status"] == "complete"
     assert set(manifest["shards"]) == set(shard_names(converted.src))
     for name, rec in manifest["shards"].items():
-        assert rec["sha256"] == sha256(os.path.join(converted.dst, name)), name
+        assert rec["digest"] == chunked_sha256(os.path.join(converted.dst, name)), name
         assert rec["bytes"] == os.path.getsize(os.path.join(converted.dst, name)), name
     assert converted.summary.complete
     assert converted.summary.shards_done == converted.summary.shards_total == len(shard_names(converted.src))

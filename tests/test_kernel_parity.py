@@ -118,6 +118,25 @@ KNOB_CASES = {
 }
 
 
+def _amd_cases() -> dict[str, dict]:
+    """launch_config's AMD blockings not already run by the interpreter default (issue 9)."""
+    from converter.kernels.triton_requant import launch_config
+
+    def blocking(cfg: dict) -> tuple[int, int]:
+        return cfg["block_groups"], cfg["nsplit"]
+
+    seen, cases = {blocking(launch_config("interpreter"))}, {}
+    for arch in ("gfx942", "gfx90a", "gfx950", "gfx1100"):   # gfx1100: the unmeasured-arch fallback
+        cfg = launch_config(arch)
+        if blocking(cfg) not in seen:
+            seen.add(blocking(cfg))
+            cases[f"amd_{arch}"] = cfg
+    return cases
+
+
+KNOB_CASES.update(_amd_cases())
+
+
 def _child_main(out_path: str) -> None:
     """Runs in the child process (interpreter on): every case through the kernel."""
     assert os.environ.get("TRITON_INTERPRET") == "1"

@@ -165,7 +165,7 @@ class Run:
                 [sys.executable, "-m", "converter", "mxfp4-to-int4", src, "-o", dst, "--progress", "json",
                  "--devices", "cpu", *extra],
                 cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                text=True)
+                text=True, start_new_session=True)  # its own process group: the command and its workers
         finally:
             if ignored:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -219,7 +219,8 @@ class Run:
         return {e["shard"] for e in self.of(kind)}
 
     def signal(self, sig: int) -> None:
-        os.kill(self.p.pid, sig)
+        """To the command and its worker processes, as a terminal or a batch scheduler sends it."""
+        os.killpg(self.p.pid, sig)
 
     def state(self) -> str:
         """The process's state letter in /proc: R, S, D, T (stopped), Z (exited, not reaped)..."""
@@ -400,23 +401,25 @@ def test_changed_options_refused(small, tmp_path):
 # ------------------------------------------------------------------------------ 4. disk full
 
 def _disk_full_after(monkeypatch, limit: int) -> dict:
-    """ShardWriter._write writes ``limit`` bytes in all, then fails with ENOSPC (and keeps failing)."""
-    real = safetensors_io.ShardWriter._write
+    """ShardWriter._pwrite writes ``limit`` bytes in all, then fails with ENOSPC (and keeps failing)."""
+    real = safetensors_io.ShardWriter._pwrite
     state = {"written": 0, "path": None}
+    lock = threading.Lock()  # several writer threads
 
-    def _write(self, data):
+    def _pwrite(self, data, offset):
         view = memoryview(data).cast("B")
-        room = limit - state["written"]
+        with lock:
+            room = limit - state["written"]
+            state["written"] += min(room, len(view)) if room > 0 else 0
+            if len(view) > room:
+                state["path"] = state["path"] or self.path
         if len(view) > room:
             if room > 0:
-                real(self, view[:room])
-                state["written"] += room
-            state["path"] = state["path"] or self.path
+                real(self, view[:room], offset)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(self, view)
-        state["written"] += len(view)
+        real(self, view, offset)
 
-    monkeypatch.setattr(safetensors_io.ShardWriter, "_write", _write)
+    monkeypatch.setattr(safetensors_io.ShardWriter, "_pwrite", _pwrite)
     return state
 
 

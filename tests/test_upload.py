@@ -205,14 +205,16 @@ def test_upload_through_a_fake_hub_sends_exactly_the_output(dst, fake_hub, loopb
     assert sorted(sent) == expected
     assert "README.md" in sent and not any(p.startswith(".k3convert") or p.endswith(".partial") for p in sent)
 
-    # every shard went by LFS, with the manifest's SHA-256 and size, and the bytes sent hash to it
+    # every shard went by LFS with its SHA-256 and the manifest's size, and the bytes sent are the shard's
     shards = _manifest(dst)["shards"]
     assert len(shards) == 3
     for name, rec in shards.items():
         v = sent[name]
-        assert v["key"] == "lfsFile" and v["value"]["oid"] == rec["sha256"] and v["value"]["size"] == rec["bytes"]
-        body = fake_hub.lfs[rec["sha256"]]
-        assert len(body) == rec["bytes"] and hashlib.sha256(body).hexdigest() == rec["sha256"]
+        with open(os.path.join(dst, name), "rb") as f:
+            data = f.read()
+        oid = hashlib.sha256(data).hexdigest()
+        assert v["key"] == "lfsFile" and v["value"]["oid"] == oid and v["value"]["size"] == rec["bytes"]
+        assert fake_hub.lfs[oid] == data
     # small files inline, byte for byte
     cfg = base64.b64decode(sent["config.json"]["value"]["content"])
     with open(os.path.join(dst, "config.json"), "rb") as f:
@@ -273,11 +275,11 @@ def test_refuses_when_structure_fails(dst):
 
 def test_verify_checksums_flag_catches_a_corrupt_shard(dst):
     path = os.path.join(dst, "model-00001-of-00003.safetensors")
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0xFF]))
+    with open(path, "r+b") as f:  # a byte of tensor data mid-file: only the digest can tell
+        f.seek(os.path.getsize(path) // 2)
+        mid = f.read(1)
+        f.seek(os.path.getsize(path) // 2)
+        f.write(bytes([mid[0] ^ 0xFF]))
     upload(dst, REPO, dry_run=True)  # structure only by default: passes
     with pytest.raises(VerifyFailed, match="model-00001-of-00003.safetensors"):
         upload(dst, REPO, dry_run=True, verify_checksums=True)

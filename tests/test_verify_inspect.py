@@ -20,7 +20,8 @@ from converter.errors import BadInput, VerifyFailed
 from converter.fixture import FixtureSpec, make_fixture
 from converter.formats import mxfp4
 from converter.inspect import inspect_path
-from converter.manifest import MANIFEST, read_rows, sha256_file, write_json, write_rows
+from converter.digest import file_digest
+from converter.manifest import MANIFEST, read_rows, write_json, write_rows
 from converter.plan import build_plan
 from converter.verify import _all_bf16_scales, brute_force_min, spread, verify
 
@@ -73,7 +74,7 @@ def _refresh_checksum(dst, shard):
     """Make the manifest agree with a modified shard: isolates the other checks."""
     m = _json(os.path.join(dst, MANIFEST))
     p = os.path.join(dst, shard)
-    m["shards"][shard].update(sha256=sha256_file(p), bytes=os.path.getsize(p))
+    m["shards"][shard].update(digest=file_digest(p), bytes=os.path.getsize(p))
     write_json(os.path.join(dst, MANIFEST), m)
 
 
@@ -125,7 +126,7 @@ def test_one_corrupt_byte_is_a_checksum_mismatch_naming_the_shard(dst):
         f.write(bytes([b[0] ^ 0x01]))
     r = verify(dst)
     assert _failed(r) == {"checksums"}
-    assert any(shard in p and "SHA-256" in p for p in r.check("checksums").problems)
+    assert any(shard in p and "digest" in p for p in r.check("checksums").problems)
     res = CliRunner().invoke(main, ["verify", dst])
     assert res.exit_code == 5 and shard in res.output
 

@@ -27,9 +27,14 @@ def encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), (exp.squeeze(-1) + 127).to(torch.uint8)
 
 
-def decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(packed [out, in/2], scales [out, in/32]) -> float32 [out, in], on their device."""
+def decode(packed: torch.Tensor, scales: torch.Tensor, bias: int = 127) -> torch.Tensor:
+    """(packed [out, in/2], scales [out, in/32]) -> float32 [out, in], on their device.
+
+    ``bias``: the E8M0 bias the writer used (compressed-tensors 0.13.0 wrote 125); the bytes are
+    shifted to OCP's 127 modulo 256, as the converter does.
+    """
     lut = torch.as_tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
-    unit = torch.pow(2.0, scales.float() - 127).repeat_interleave(32, dim=1)
+    exps = (scales.int() + 127 - bias) % 256
+    unit = torch.pow(2.0, exps.float() - 127).repeat_interleave(32, dim=1)
     return lut[codes] * unit

@@ -476,6 +476,58 @@ def _requant_kernel(
 
 
 # ---------------------------------------------------------------------------------------
+# Launch configuration per target
+# ---------------------------------------------------------------------------------------
+# NVIDIA: measured on the H200 (module doc); 255 registers/thread and no spills there.
+_NVIDIA_CONFIG = {"block_groups": 128, "nsplit": 4, "num_warps": 4, "num_stages": 3}
+# AMD (CDNA, wave64), chosen by cross-compiling every block 64/128 x nsplit 2/4 x warps 4/8
+# x stages 1/2/3 with Triton 3.9 (scripts/amd_kernel_report.py --sweep). The NVIDIA config
+# spills VGPRs on gfx942 and gfx90a; every 8-warp config spills (8 waves a workgroup cap a
+# wave at 256 registers); num_stages=1 (no stream-pipeliner prefetch copies) halves the code
+# and, on gfx942/gfx90a, is the only stage count with no VGPR spills for every block/nsplit at
+# 4 warps, with or without alignment hints. Among those, occupancy first, then fewer static
+# block-loop instructions per group: gfx942/gfx90a are at 1 wave per SIMD whatever the
+# blocking, and block 128 / nsplit 4 needs ~40% fewer than 64 / 2; on gfx950, 64 / 2 fits in 250
+# VGPRs and runs 2 waves per SIMD. 64 / 2 uses the fewest registers everywhere, so it is the
+# choice for gfx archs not measured.
+_AMD_SAFE_CONFIG = {"block_groups": 64, "nsplit": 2, "num_warps": 4, "num_stages": 1}
+_AMD_CONFIGS: dict[str, dict[str, int]] = {
+    "gfx90a": {"block_groups": 128, "nsplit": 4, "num_warps": 4, "num_stages": 1},
+    "gfx942": {"block_groups": 128, "nsplit": 4, "num_warps": 4, "num_stages": 1},
+    "gfx950": _AMD_SAFE_CONFIG,
+}
+# Interpreter: warps and stages are ignored and 64 / 2 runs as fast as 128 / 4 there; it runs
+# the NVIDIA blocking (the one measured on a GPU); tests run the AMD ones explicitly.
+_INTERPRETER_CONFIG = _NVIDIA_CONFIG
+
+
+def launch_config(arch: str) -> dict[str, int]:
+    """Default kernel knobs for a target: ``sm_XY`` (NVIDIA), ``gfxNNN`` (AMD), ``interpreter``.
+
+    Keys ``block_groups``, ``nsplit``, ``num_warps``, ``num_stages`` (see :func:`prepare`).
+    Register pressure differs by target, so a config that fits an H200 spills on gfx942.
+    """
+    if arch == "interpreter":
+        return dict(_INTERPRETER_CONFIG)
+    if arch.startswith("sm_"):
+        return dict(_NVIDIA_CONFIG)
+    if arch.startswith("gfx"):
+        return dict(_AMD_CONFIGS.get(arch, _AMD_SAFE_CONFIG))
+    raise ValueError(f"unknown kernel target {arch!r} (expected sm_XY, gfxNNN or interpreter)")
+
+
+def device_arch(device: torch.device | str) -> str:
+    """The :func:`launch_config` target of a torch device: ``sm_90``, ``gfx942``, ``interpreter``."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "interpreter"
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip:
+        return str(props.gcnArchName).split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
+# ---------------------------------------------------------------------------------------
 # Host wrapper
 # ---------------------------------------------------------------------------------------
 def _num_programs(device: torch.device, nblk: int, per_sm: int) -> int:
@@ -490,11 +542,11 @@ def prepare(
     scales: torch.Tensor,
     offsets: list[int] | torch.Tensor | None = None,
     *,
-    block_groups: int = 128,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    block_groups: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     programs_per_sm: int = 2,
-    nsplit: int = 4,
+    nsplit: int | None = None,
     stats: bool = True,
     force_exact: bool = False,
     maxnreg: int | None = None,
@@ -505,8 +557,14 @@ def prepare(
     so timing it measures one full requantization. Knobs: ``block_groups`` groups a block,
     ``nsplit`` column slices of block 1 (2 or 4), ``maxnreg`` caps registers (NVIDIA);
     ``stats=False`` skips statistics (timing only); ``force_exact`` sends every level-6/7
-    group through the exact second pass (tests).
+    group through the exact second pass (tests). Knobs left at None come from
+    ``launch_config(device_arch(packed.device))``.
     """
+    defaults = launch_config(device_arch(packed.device))
+    block_groups = defaults["block_groups"] if block_groups is None else block_groups
+    nsplit = defaults["nsplit"] if nsplit is None else nsplit
+    num_warps = defaults["num_warps"] if num_warps is None else num_warps
+    num_stages = defaults["num_stages"] if num_stages is None else num_stages
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise TypeError("packed and scales must be uint8")
     if packed.dim() != 2 or packed.shape[1] != 16 or scales.shape != packed.shape[:1]:

@@ -1,0 +1,70 @@
+"""Job files: any option of a command, kept in a TOML file under version control.
+
+``k3convert mxfp4-to-int4 --config job.toml`` reads the file's top-level keys as the
+command's options (the command line wins). Keys are the long option names (``output``,
+``max-rel-rmse``, ...) or, for the source directory, ``src``; dashes and underscores are the
+same. Relative paths are taken relative to the job file, so a job file means the same thing
+from any working directory (a batch scheduler's included).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import click
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+def _keys(param: click.Parameter) -> set[str]:
+    """The key a job file uses for ``param``: its long flag(s), or an argument's name."""
+    if isinstance(param, click.Argument):
+        return {(param.name or "").replace("_", "-")}
+    return {o[2:] for o in param.opts if o.startswith("--")}
+
+
+def load(path: str, command: click.Command) -> dict[str, Any]:
+    """The job file as click defaults for ``command``: {parameter name: value}.
+
+    Unknown keys are an error (a typo must not be ignored silently), as are values of the
+    wrong kind; click converts and checks each value like one typed on the command line.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise click.BadParameter(f"file {path}: cannot read: {e.strerror}", param_hint="--config") from None
+    except tomllib.TOMLDecodeError as e:
+        raise click.BadParameter(f"file {path}: not valid TOML ({e})", param_hint="--config") from None
+    by_key = {k: p for p in command.params if p.name != "config" for k in _keys(p)}
+    base = os.path.dirname(os.path.abspath(path))
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        param = by_key.get(key.replace("_", "-"))
+        if param is None:
+            known = ", ".join(sorted(by_key))
+            raise click.BadParameter(f"file {path}: unknown key {key!r} (known: {known})", param_hint="--config")
+        if isinstance(value, list):  # devices = ["cuda:0", "cuda:1"]
+            value = ",".join(str(v) for v in value)
+        if isinstance(value, dict):
+            raise click.BadParameter(f"file {path}: {key} must be a value, not a table", param_hint="--config")
+        if isinstance(param.type, click.Path) and isinstance(value, str):
+            value = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+        out[param.name] = value
+    return out
+
+
+def option(f):
+    """The ``--config FILE`` option: eager, so its values become the other options' defaults."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+        if value:
+            ctx.default_map = {**(ctx.default_map or {}), **load(value, ctx.command)}
+
+    return click.option("--config", type=click.Path(exists=True, dir_okay=False), is_eager=True,
+                        expose_value=False, callback=callback,
+                        help="Job file (TOML) with any of this command's options; the command line wins.")(f)

@@ -1,0 +1,194 @@
+"""Model profiles: what the tool would otherwise hard-code about a model family.
+
+A profile (``configs/profiles/NAME.toml``) says how to recognise a checkpoint from its
+config.json, which MXFP4 dialect it uses, which activation fields must be stated, and, where
+the model is known, the expert matrices it must hold, so that an incomplete download is
+caught in preflight. The profile is chosen from config.json (``--profile`` overrides) and
+recorded in the manifest.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import BadInput
+from .formats.checkpoint import dotted, is_mxfp4, quant_blocks
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+SHOWN = 8  # missing modules named in an error
+_TENSORS = ("weight_packed", "weight_scale", "weight")  # a quantized module's tensors, either dialect
+
+
+def bundled_dir() -> str:
+    """configs/profiles of this checkout (source or editable install), else the wheel's copy."""
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "profiles")
+    if os.path.isdir(here):
+        return here
+    from importlib.resources import files
+    return str(files("converter.configs") / "profiles")
+
+
+def lookup(config: dict, path: str) -> Any:
+    """The value at a dotted path of config.json, or KeyError."""
+    value: Any = config
+    for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise KeyError(path)
+        value = value[key]
+    return value
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    path: str
+    description: str
+    source: str                               # MXFP4 dialect: "compressed-tensors" or "quark"
+    match: dict[str, Any] = field(default_factory=dict)
+    required_activation: tuple[str, ...] = ("hidden_act",)
+    inventory: dict[str, Any] | None = None
+
+    def matches(self, config: dict) -> tuple[bool, str]:
+        """Whether config.json is of this family, and the facts that say so."""
+        said = []
+        for key, want in self.match.items():
+            try:
+                got = lookup(config, key)
+            except KeyError:
+                return False, f"config.json has no {key}"
+            if got not in (want if isinstance(want, list) else [want]):
+                return False, f"{key} = {got!r}, not {want!r}"
+            said.append(f"{key} = {got!r}")
+        return True, ", ".join(said)
+
+    def record(self) -> dict[str, str]:
+        return {"name": self.name, "file": os.path.basename(self.path)}
+
+
+def load(path: str) -> Profile:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise BadInput(f"cannot read profile: {e.strerror}", file=path) from None
+    except tomllib.TOMLDecodeError as e:
+        raise BadInput(f"profile is not valid TOML ({e})", file=path) from None
+    try:
+        return Profile(name=data["name"], path=path, description=data.get("description", ""),
+                       source=data["source"], match=dict(data.get("match") or {}),
+                       required_activation=tuple((data.get("activation") or {}).get("required", ["hidden_act"])),
+                       inventory=_inventory(data.get("inventory"), path))
+    except KeyError as e:
+        raise BadInput(f"profile lacks {e.args[0]!r}", file=path) from None
+
+
+def _keys(value: Any, n: int | None = None) -> bool:
+    """Whether ``value`` is a list of config-key strings (of length ``n``, if given)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(k, str) for k in value) \
+        and (n is None or len(value) == n)
+
+
+def _inventory(inv: Any, path: str) -> dict[str, Any] | None:
+    """The [inventory] table, checked when the file is read: a bad one is named, not a KeyError later."""
+    if inv is None:
+        return None
+    shapes = inv.get("shapes") if isinstance(inv, dict) else None
+    ok = isinstance(inv, dict) and isinstance(inv.get("module"), str) and isinstance(inv.get("experts"), str) \
+        and _keys(inv.get("layers"), 2) and isinstance(shapes, dict) and bool(shapes) \
+        and all(_keys(d, 2) for d in shapes.values())
+    try:
+        ok = ok and bool(inv["module"].format(layer=0, expert=0, proj="w"))
+    except (KeyError, IndexError, ValueError):
+        ok = False
+    if not ok:
+        raise BadInput("[inventory] needs module (a name with {layer}, {expert}, {proj}), layers (two config "
+                       "keys), experts (a config key) and [inventory.shapes] (proj = [out key, in key])", file=path)
+    return inv
+
+
+def available() -> list[Profile]:
+    d = bundled_dir()
+    return [load(os.path.join(d, f)) for f in sorted(os.listdir(d)) if f.endswith(".toml")]
+
+
+def named(name: str) -> Profile:
+    """A bundled profile by name, or a profile file by path."""
+    if name.endswith(".toml") or os.sep in name:
+        return load(name)
+    for p in available():
+        if p.name == name:
+            return p
+    raise BadInput(f"no profile named {name!r} (known: {', '.join(p.name for p in available())})")
+
+
+def choose(config: dict, dialect: str, name: str | None = None) -> tuple[Profile, str]:
+    """The profile for this checkpoint and why: ``name`` if given, else the most specific
+    bundled profile of the checkpoint's MXFP4 dialect whose match holds."""
+    if name:
+        p = named(name)
+        if p.source != dialect:
+            raise BadInput(f"profile {p.name!r} reads {p.source} MXFP4, but config.json describes {dialect}")
+        ok, why = p.matches(config)
+        return p, f"chosen by --profile{'' if ok else f' (its match does not hold: {why})'}"
+    fits = [(p, why) for p in available() if p.source == dialect for ok, why in [p.matches(config)] if ok]
+    if not fits:
+        raise BadInput(f"no profile reads {dialect} MXFP4 checkpoints (add one to {bundled_dir()})")
+    p, why = max(fits, key=lambda pw: len(pw[0].match))
+    return p, (why + "; " if why else "") + _dialect_fields(config)
+
+
+def _dialect_fields(config: dict) -> str:
+    """The config fields that make it an MXFP4 checkpoint of its dialect, for the reason."""
+    said = []
+    for path, block in quant_blocks(config):
+        if is_mxfp4(block):
+            fields = ("quant_method", "format") if block.get("format") else ("quant_method",)
+            said += [f"{dotted(path + (k,))} = {block[k]!r}" for k in fields]
+    return ", ".join(said)
+
+
+def expected_modules(profile: Profile, config: dict) -> dict[str, tuple[int, int]] | None:
+    """module -> [out, in] of every matrix the profile's inventory requires (None: no inventory)."""
+    inv = profile.inventory
+    if not inv:
+        return None
+    try:
+        first, last = (int(lookup(config, k)) for k in inv["layers"])
+        experts = int(lookup(config, inv["experts"]))
+        shapes = {proj: tuple(int(lookup(config, k)) for k in dims) for proj, dims in inv["shapes"].items()}
+    except KeyError as e:
+        raise BadInput(f"profile {profile.name!r} needs {e.args[0]} in config.json") from None
+    except (TypeError, ValueError) as e:
+        raise BadInput(f"profile {profile.name!r}: a config.json value its inventory reads is not an integer "
+                       f"({e})") from None
+    return {inv["module"].format(layer=layer, expert=e, proj=proj): shape
+            for layer in range(first, last) for e in range(experts) for proj, shape in shapes.items()}
+
+
+def inventory_problems(expected: dict[str, tuple[int, int]], found: dict[str, tuple[int, int]],
+                       where: dict[str, str]) -> list[str]:
+    """What an incomplete or different checkpoint lacks, in one line.
+
+    ``found``: module -> [out, in] of the matrices that will be converted; ``where``: tensor
+    name -> shard, from the index, to say where a missing module should have been.
+    """
+    missing = [m for m in expected if m not in found]
+    wrong = [m for m in expected if m in found and tuple(found[m]) != tuple(expected[m])]
+    problems = []
+    if missing:
+        def place(m: str) -> str:
+            shards = sorted({where[t] for t in (f"{m}.{x}" for x in _TENSORS) if t in where})
+            return f"{m} ({'the index puts it in ' + ', '.join(shards) if shards else 'not in the index'})"
+        shown = ", ".join(place(m) for m in missing[:SHOWN])
+        more = f" and {len(missing) - SHOWN:,} more" if len(missing) > SHOWN else ""
+        problems.append(f"expected {len(expected):,} expert matrices, found {len(expected) - len(missing):,}: "
+                        f"missing {shown}{more}")
+    for m in wrong[:SHOWN]:
+        problems.append(f"module {m}: shape {list(found[m])}, the profile expects {list(expected[m])}")
+    return problems

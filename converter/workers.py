@@ -1,0 +1,220 @@
+"""Worker processes: one per GPU, or ``--workers`` on the CPU, fed shards from a shared queue.
+
+Workers start before the parent plans, so their imports (torch, Triton, numba: seconds)
+and kernel warm-up overlap the parent's reading of every header. A single worker runs in
+the calling process when torch is already imported there (library use, tests): nothing
+would be gained by a process then.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .devices import cpus
+from .errors import BadInput, ConvertError, OutputError
+from .plan import Convert, ShardPlan
+
+Handler = Callable[[str, dict], None]   # (event kind, fields); raises to stop the run
+
+
+@dataclass(frozen=True)
+class Task:
+    """One shard to convert, with what the worker needs beyond the plan."""
+
+    shard: ShardPlan
+    dst: str
+    sample_stride: int        # experts whose output error is measured: expert % stride == 0
+    sample_per_layer: int     # 0: none
+    scale_shift: int          # added to every E8M0 byte (source dialect's bias correction)
+    batch_groups: int | None
+
+
+def requantizer(device: str):
+    """The numba CPU kernel or the Triton GPU kernel; both give the reference's bytes."""
+    if device.startswith("cpu"):
+        from .quant.cpu_kernel import requantize
+        return requantize
+    from .kernels.triton_requant import requantize
+    return requantize
+
+
+def _warm_up(device: str) -> None:
+    """Load the kernel (Triton/numba caches) and the device context before the first shard."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    p = torch.zeros((1, 16), dtype=torch.uint8, device=device)
+    requantizer(device)(p, torch.full((1,), 127, dtype=torch.uint8, device=device))
+    if device.startswith("cpu"):
+        from .quant.cpu_kernel import output_error
+        from .validate import probe
+        z = torch.zeros((1, 16), dtype=torch.uint8)
+        output_error(z, torch.full((1,), 127, dtype=torch.uint8), z, torch.zeros(1, dtype=torch.bfloat16), 32,
+                     probe(32))
+
+
+class _Converters:
+    """One ShardConverter per distinct task setting, reused across shards (its buffer pools)."""
+
+    def __init__(self, device: str):
+        self.device, self.cache = device, {}
+
+    def get(self, task: Task):
+        from .shard import ShardConverter
+
+        key = (task.sample_stride, task.sample_per_layer, task.scale_shift, task.batch_groups)
+        if key not in self.cache:
+            stride, per_layer = task.sample_stride, task.sample_per_layer
+            cpu = self.device.startswith("cpu")
+            self.cache[key] = ShardConverter(
+                requantizer(self.device), self.device, task.batch_groups or (1 << 20 if cpu else 1 << 21),
+                lambda c: c.expert is None or (per_layer > 0 and c.expert % stride == 0),
+                scale_shift=task.scale_shift)
+        return self.cache[key]
+
+
+def _run(convs: _Converters, task: Task, put: Callable[[tuple[str, dict]], None]) -> bool:
+    """Convert one shard, reporting through ``put``; False after an error (the worker stops)."""
+    name = task.shard.name
+    put(("start", {"shard": name, "device": convs.device}))
+    try:
+        res = convs.get(task).convert(task.shard, task.dst, lambda n: put(("bytes", {"n": n})))
+    except ConvertError as e:
+        put(("error", {"shard": name, "message": str(e), "code": e.exit_code, "file": e.file, "tensor": e.tensor}))
+        return False
+    except OSError as e:
+        put(("error", {"shard": name, "code": OutputError.exit_code,
+                       "message": f"file {e.filename or os.path.join(task.dst, name)}: {e.strerror}"}))
+        return False
+    put(("done", {"shard": name, "digest": res.digest, "bytes": res.bytes_out, "seconds": res.seconds,
+                  "stages": res.stages, "sources": [os.path.basename(task.shard.path)] + task.shard.partners,
+                  "figures": [f.row() for f in res.figures]}))
+    return True
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _die_with(parent: int) -> None:
+    """A worker must not outlive its run (kill -9 of the command): it would go on writing into a
+    DST whose locks died with the parent. Linux kills it with the parent; elsewhere a thread
+    watches."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the line above
+        os._exit(1)
+
+
+def _serve(device: str, threads: int | None, parent: int, tasks, events) -> None:
+    """A worker process: warm up, then convert tasks until the parent sends None."""
+    _die_with(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it terminates us,
+    signal.signal(signal.SIGTERM, _interrupt)     # and the shard in hand drops its .partial
+    try:
+        t0 = time.perf_counter()
+        if threads:
+            import torch
+            torch.set_num_threads(threads)
+            if device.startswith("cpu"):
+                import numba
+                numba.set_num_threads(threads)
+        _warm_up(device)
+        events.put(("ready", {"device": device, "seconds": round(time.perf_counter() - t0, 3)}))
+        convs = _Converters(device)
+        while (task := tasks.get()) is not None:
+            if not _run(convs, task, events.put):
+                return
+    except KeyboardInterrupt:  # stopped by the parent
+        pass
+    except BaseException as e:  # report anything, naming the device; the parent stops the run
+        events.put(("error", {"shard": None, "message": f"worker on {device} failed: {e!r}", "code": 1}))
+    finally:  # from here on, a SIGTERM just ends the process (no traceback at exit)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class Workers:
+    """The run's workers, started at once; ``run`` feeds them shards and handles their events."""
+
+    def __init__(self, devices: list[str], inline: bool | None = None):
+        self.devices = devices
+        self.inline = len(devices) == 1 and ("torch" in sys.modules if inline is None else inline)
+        self.procs: list = []
+        if self.inline:
+            return
+        ctx = mp.get_context("spawn")
+        self.tasks, self.events = ctx.Queue(), ctx.Queue()
+        threads = max(1, cpus() // len(devices)) if devices[0] == "cpu" else None
+        self.procs = [ctx.Process(target=_serve, daemon=True, args=(d, threads, os.getpid(), self.tasks, self.events))
+                      for d in devices]
+        for p in self.procs:
+            p.start()
+
+    def run(self, tasks: list[Task], handle: Handler) -> None:
+        """Convert every task (largest shard first); ``handle`` sees each event and may raise."""
+        tasks = sorted(tasks, key=lambda t: -t.shard.bytes_in)
+        if self.inline:
+            convs = _Converters(self.devices[0])
+            _warm_up(self.devices[0])
+            for t in tasks:
+                _run(convs, t, lambda ev: handle(*ev))
+            return
+        for t in tasks:
+            self.tasks.put(t)
+        for _ in self.procs:
+            self.tasks.put(None)
+        remaining = {t.shard.name for t in tasks}
+        while remaining:
+            try:
+                kind, f = self.events.get(timeout=1.0)
+            except queue.Empty:
+                if not any(p.is_alive() for p in self.procs):
+                    raise ConvertError(f"workers stopped with {len(remaining)} shard(s) unconverted, "
+                                       f"e.g. {sorted(remaining)[0]}") from None
+                continue
+            if kind == "done":
+                remaining.discard(f["shard"])
+            handle(kind, f)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=10)
+        if self.procs:  # tasks no worker took must not hold up this process's exit
+            for q in (self.tasks, self.events):
+                q.cancel_join_thread()
+                q.close()
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def raise_error(f: dict) -> None:
+    """An error event as the exception the CLI turns into its exit code."""
+    err = {BadInput.exit_code: BadInput, OutputError.exit_code: OutputError}.get(f.get("code"), ConvertError)(
+        f["message"])
+    err.file, err.tensor = f.get("file"), f.get("tensor")
+    raise err
+
+
+__all__ = ["Task", "Workers", "requantizer", "raise_error", "Convert"]
