@@ -75,7 +75,10 @@ def convert(code: str, src: str, dst: str, devices: str, workers: int, cold: boo
     with open(os.path.join(dst, "k3convert_manifest.json")) as f:
         shas = {n: r["sha256"] if "sha256" in r else r.get("digest") for n, r in json.load(f)["shards"].items()}
     steady = max(dones) - min(starts)
-    return {"wall_s": wall, "startup_s": min(starts) - t0, "steady_s": steady, "steady_GBps": size / steady / 1e9,
+    ready = [e["time"] for e in events if e.get("event") == "ready"]  # workers imported and warmed up
+    plan = [e["time"] for e in events if e.get("event") == "plan"]   # preflight done
+    return {"wall_s": wall, "startup_s": min(starts) - t0, "workers_ready_s": max(ready) - t0 if ready else None,
+            "preflight_s": plan[0] - t0 if plan else None, "steady_s": steady, "steady_GBps": size / steady / 1e9,
             "wall_GBps": size / wall / 1e9, "cache_dropped": dropped, "stages": stages, "digests": shas,
             "maxrss_GB": next(e["maxrss_kB"] for e in events if "maxrss_kB" in e) * 1024 / 1e9}
 
