@@ -141,16 +141,16 @@ class ShardConverter:
     """
 
     def __init__(self, requantize: Requantizer, device: str = "cpu", batch_groups: int = 1 << 20,
-                 sample: Callable[[Convert], bool] = lambda c: True, readers: int = 2, writers: int = 3,
+                 sample: Callable[[Convert], bool] = lambda c: True, readers: int = 3, writers: int = 4,
                  scale_shift: int = 0):
         self.requantize, self.device = requantize, torch.device(device)
         self.batch_groups, self.sample, self.scale_shift = batch_groups, sample, scale_shift % 256
         self.readers, self.writers = readers, writers
         self.pin = self.device.type == "cuda"
         # at most: `readers` batches being read, one ready, one computing (inputs); one being
-        # filled and `writers` being written (outputs); copy pieces likewise
+        # filled, `writers` being written and one queued for them (outputs); copy pieces likewise
         self._inputs = _Pool(readers + 2, lambda: self._pair(torch.uint8))
-        self._outputs = _Pool(writers + 1, lambda: self._pair(torch.int16))
+        self._outputs = _Pool(writers + 2, lambda: self._pair(torch.int16))
         self._copies = _Pool(readers + writers + 2, lambda: np.empty(COPY_PIECE, dtype=np.uint8))
         if self.device.type == "cpu":
             from .quant.cpu_kernel import output_error as cpu_output_error  # numba: CPU path only
@@ -258,6 +258,7 @@ class ShardConverter:
         try:  # from here on anything (Ctrl-C too) drops the .partial
             for p in [sp.path] + [os.path.join(os.path.dirname(sp.path), n) for n in sp.partners]:
                 fds[p] = os.open(p, os.O_RDONLY)
+                os.posix_fadvise(fds[p], 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead
             progress(sp.header_bytes)  # progress counts source bytes read: the header, then tensors
             with ThreadPoolExecutor(self.readers, "k3-read") as rd, ThreadPoolExecutor(self.writers, "k3-write") as wr:
                 self._run(sp, writer, fds, rd, wr, figs, stages, progress)

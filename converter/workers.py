@@ -52,14 +52,31 @@ def _warm_up(device: str) -> None:
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    p = torch.zeros((1, 16), dtype=torch.uint8, device=device)
-    requantizer(device)(p, torch.full((1,), 127, dtype=torch.uint8, device=device))
+    # a batch shaped like real ones (a multiple of 16 groups, several blocks per program), so
+    # that Triton compiles the same specialization the shards use, now rather than mid-shard
+    groups = 1 << 17
+    p = torch.zeros((groups, 16), dtype=torch.uint8, device=device)
+    requantizer(device)(p, torch.full((groups,), 127, dtype=torch.uint8, device=device), [0, groups])
     if device.startswith("cpu"):
         from .quant.cpu_kernel import output_error
         from .validate import probe
         z = torch.zeros((1, 16), dtype=torch.uint8)
         output_error(z, torch.full((1,), 127, dtype=torch.uint8), z, torch.zeros(1, dtype=torch.bfloat16), 32,
                      probe(32))
+
+
+def io_threads() -> dict[str, int]:
+    """Reader and writer threads per worker: ``K3CONVERT_IO_THREADS=readers,writers`` tunes them
+    for unusual storage (the defaults keep one H200 fed from tmpfs and NVMe; BENCHMARKS.md)."""
+    raw = os.environ.get("K3CONVERT_IO_THREADS")
+    if not raw:
+        return {}
+    try:
+        readers, writers = (int(x) for x in raw.split(","))
+        assert readers > 0 and writers > 0
+    except (ValueError, AssertionError):
+        raise BadInput(f"K3CONVERT_IO_THREADS={raw!r}: expected two positive numbers, readers,writers") from None
+    return {"readers": readers, "writers": writers}
 
 
 class _Converters:
@@ -78,7 +95,7 @@ class _Converters:
             self.cache[key] = ShardConverter(
                 requantizer(self.device), self.device, task.batch_groups or (1 << 20 if cpu else 1 << 21),
                 lambda c: c.expert is None or (per_layer > 0 and c.expert % stride == 0),
-                scale_shift=task.scale_shift)
+                scale_shift=task.scale_shift, **io_threads())
         return self.cache[key]
 
 

@@ -46,11 +46,15 @@ def sh(cmd: list[str], cwd: str | None = None) -> float:
     return time.perf_counter() - t0
 
 
-def convert(code: str, src: str, dst: str, devices: str, workers: int, cold: bool) -> dict:
+def convert(code: str, src: str, dst: str, devices: str, workers: int, cold: bool, io: str | None = None) -> dict:
     """One conversion with the package found in ``code``; timings from its JSON events."""
     shutil.rmtree(dst, ignore_errors=True)
     dropped = drop_caches() if cold else None
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in (code, os.environ.get("PYTHONPATH")) if x)}
+    if devices == "cpu":  # older versions ignored --devices cpu when a GPU was visible
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if io:
+        env["K3CONVERT_IO_THREADS"] = io
     # a wrapper process reports the peak RSS of the largest process below it (CLI or worker)
     wrap = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
             "print('{\"maxrss_kB\": %d}' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
@@ -94,6 +98,8 @@ def main() -> int:
     ap.add_argument("--old", default=None, help="an older checkout (holding converter/) to measure too")
     ap.add_argument("--cpu-workers", type=int, default=0, help="also run --devices cpu with this many workers")
     ap.add_argument("--runs", default="1gpu,allgpu", help="comma list of 1gpu, allgpu")
+    ap.add_argument("--straddled", action="store_true", help="also convert a size-sharded copy (1 GPU, new code)")
+    ap.add_argument("--io-threads", default="", help="also 1 GPU with these K3CONVERT_IO_THREADS, e.g. '2,3;4,6'")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     import torch
@@ -108,14 +114,24 @@ def main() -> int:
     per_expert = 3 * (3072 * 3584 // 2 + 3072 * 3584 // 32)
     layers = args.shards + 1
     experts = max(1, int(args.gb * 1e9 / per_expert / (layers - 1)))
-    if not os.path.exists(os.path.join(src, "config.json")):
-        res["build_s"] = sh([sys.executable, "-m", "converter", "make-fixture", src, "--real-dims", "--layers",
-                             str(layers), "--experts", str(experts), "--shards", str(args.shards), "--device",
-                             "cuda" if torch.cuda.is_available() else "cpu"], cwd=here)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def build(path: str, *extra: str) -> None:
+        if not os.path.exists(os.path.join(path, "config.json")):
+            sh([sys.executable, "-m", "converter", "make-fixture", path, "--real-dims", *extra, "--device", device],
+               cwd=here)
+
+    # an older version cannot read modules split across shards: compare them on module-aligned shards
+    aligned = ["--keep-modules"] if args.old else []
+    t0 = time.perf_counter()
+    build(src, "--layers", str(layers), "--experts", str(experts), "--shards", str(args.shards), *aligned)
+    res["build_s"] = time.perf_counter() - t0
+    warm = os.path.join(root, "warm")  # a small checkpoint to fill the Triton and numba caches
+    build(warm, "--layers", "2", "--experts", "2", "--shards", "1", "--keep-modules")
     size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(src, "*.safetensors")))
     res["checkpoint_GB"] = size / 1e9
     print(f"checkpoint {size / 1e9:.2f} GB in {args.shards} shards, {experts} experts x {layers - 1} MoE layers "
-          f"({'tmpfs' if args.memory else root})", flush=True)
+          f"({'tmpfs' if args.memory else root}{', modules kept in one shard' if aligned else ''})", flush=True)
 
     cp_dst = os.path.join(root, "cp")
     for name, cmd in (("cp", f"cp -r {src} {cp_dst}"), ("cp_sync", f"cp -r {src} {cp_dst} && sync")):
@@ -137,22 +153,36 @@ def main() -> int:
     codes = [("new", here)] + ([("old", os.path.abspath(args.old))] if args.old else [])
     out = os.path.join(root, "out")
     reference = None
-    for label, devices, workers in plans:
-        for version, code in codes:
-            name = f"{version}_{label}"
-            r = convert(code, src, out, devices, workers, args.cold)
-            if reference is None:  # the first run's shards are the reference for every other run
-                reference = os.path.join(root, "ref")
-                shutil.rmtree(reference, ignore_errors=True)
-                shutil.copytree(out, reference, ignore=shutil.ignore_patterns(".k3convert"))
-            r["identical_to_first_run"] = all(
-                subprocess.run(["cmp", "-s", os.path.join(out, n), os.path.join(reference, n)]).returncode == 0
-                for n in r["digests"])
+    runs = [(f"{v}_{label}", code, src, devices, workers, None)
+            for label, devices, workers in plans for v, code in codes]
+    for io in filter(None, args.io_threads.split(";")):  # K3CONVERT_IO_THREADS variants, 1 GPU, new code
+        runs.append((f"new_1gpu_io{io.replace(',', '_')}", here, src, "cuda:0", 1, io))
+    if args.straddled and gpus:  # the same size, shards cut by size (pairs split across shards)
+        straddled = os.path.join(root, "src_straddled")
+        build(straddled, "--layers", str(layers), "--experts", str(experts), "--shards", str(args.shards))
+        runs.append(("new_1gpu_straddled", here, straddled, "cuda:0", 1, None))
+    for name, code, source, devices, workers, io in runs:
+        convert(code, warm, out, devices, workers, False, io)  # caches warm, as after any first run
+        r = convert(code, source, out, devices, workers, args.cold, io)
+        if source != src:  # another checkpoint: nothing to compare bytes with
             r.pop("digests")
             res["runs"][name] = r
-            st = " ".join(f"{k}={v:.1f}" for k, v in sorted(r["stages"].items()))
-            print(f"{name:22} {r['wall_s']:7.2f} s  {r['wall_GBps']:6.2f} GB/s wall, steady {r['steady_GBps']:.2f} "
-                  f"GB/s, start-up {r['startup_s']:.2f} s, maxrss {r['maxrss_GB']:.2f} GB | {st}", flush=True)
+            print(f"{name:22} {r['wall_s']:7.2f} s, steady {r['steady_GBps']:.2f} GB/s, "
+                  f"start-up {r['startup_s']:.2f} s", flush=True)
+        if reference is None:  # the first run's shards are the reference for every other run
+            reference = os.path.join(root, "ref")
+            shutil.rmtree(reference, ignore_errors=True)
+            shutil.copytree(out, reference, ignore=shutil.ignore_patterns(".k3convert"))
+        r["identical_to_first_run"] = all(
+            subprocess.run(["cmp", "-s", os.path.join(out, n), os.path.join(reference, n)]).returncode == 0
+            for n in r["digests"])
+        r.pop("digests")
+        res["runs"][name] = r
+        st = " ".join(f"{k}={v:.1f}" for k, v in sorted(r["stages"].items()))
+        print(f"{name:22} {r['wall_s']:7.2f} s  {r['wall_GBps']:6.2f} GB/s wall, steady {r['steady_GBps']:.2f} "
+              f"GB/s, start-up {r['startup_s']:.2f} s (workers ready {r['workers_ready_s'] or 0:.2f}, preflight "
+              f"{r['preflight_s'] or 0:.2f}), maxrss {r['maxrss_GB']:.2f} GB, same bytes {r['identical_to_first_run']} "
+              f"| {st}", flush=True)
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(os.path.join(root, "ref"), ignore_errors=True)
     with open(os.path.join(args.out, f"bench_gpu_{'mem' if args.memory else 'disk'}.json"), "w") as f:
