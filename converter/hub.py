@@ -51,7 +51,12 @@ def upload_files(dst: str) -> list[tuple[str, int]]:
                                    ".cache/huggingface/*"]
     rel = []
     for d, _, files in os.walk(dst):
-        rel += [os.path.relpath(os.path.join(d, f), dst).replace(os.sep, "/") for f in files]
+        for f in files:
+            path = os.path.join(d, f)
+            if os.path.islink(path):  # the upload would send whatever it points to
+                raise VerifyFailed(f"{os.path.relpath(path, dst)} is a symlink (to {os.readlink(path)}): "
+                                   "refusing to upload what may lie outside DST", file=dst)
+            rel.append(os.path.relpath(path, dst).replace(os.sep, "/"))
     keep = filter_repo_objects(sorted(rel), ignore_patterns=IGNORE + list(DEFAULT_IGNORE_PATTERNS))
     return [(p, os.path.getsize(os.path.join(dst, p))) for p in keep]
 

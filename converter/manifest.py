@@ -15,6 +15,7 @@ from typing import Any
 import zstandard
 
 from .errors import OutputError
+from .safepath import fresh_file, lock_file
 
 MANIFEST = "k3convert_manifest.json"
 REPORT = "k3convert_report.json"            # per-layer error summary, written by finalize
@@ -24,7 +25,7 @@ STATE_DIR = ".k3convert"  # per-shard figure tables and the lock, inside DST
 
 def atomic_write(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with os.fdopen(fresh_file(tmp), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -80,7 +81,7 @@ class ShardLocks:
         self.files = []
         try:
             for n in names:
-                f = open(os.path.join(dst, STATE_DIR, n + ".lock"), "a+")
+                f = lock_file(os.path.join(dst, STATE_DIR, n + ".lock"))
                 self.files.append(f)
                 try:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -25,7 +25,7 @@ from .formats import checkpoint as ckpt
 from .manifest import (MANIFEST, REPORT, STATE_DIR, TENSOR_TABLE, ShardLocks, file_fingerprint, read_json,
                        read_rows, write_json, write_rows)
 from .plan import Plan, ShardPlan, build_plan
-from .safepath import dest_file
+from .safepath import dest_file, fresh_file, lock_file
 from .validate import TensorFigures, layer_summary
 from .workers import Task, Workers, raise_error
 
@@ -132,6 +132,12 @@ def _state(dst: str, *parts: str) -> str:
     return os.path.join(dst, STATE_DIR, *parts)
 
 
+def _refuse_linked_state(dst: str) -> None:
+    """DST's state folder is read and written: through a planted link it would be elsewhere."""
+    if os.path.islink(_state(dst)):
+        raise OutputError(f"{STATE_DIR} is a symlink: refusing to write through it", file=dst)
+
+
 def run_identity(plan: Plan, options: Options) -> dict[str, Any]:
     return {
         "tool": "k3convert", "options": options.identity(), "source": plan.src,
@@ -149,6 +155,7 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> None:
     if os.path.exists(dst):
         if not os.path.isdir(dst) or not os.access(dst, os.W_OK | os.X_OK):
             raise OutputError("is not a writable directory", file=dst)
+        _refuse_linked_state(dst)
         old = read_json(_state(dst, "run.json"))
         if old is None and [f for f in os.listdir(dst) if f != STATE_DIR]:
             raise OutputError("exists, is not empty and holds no k3convert state: choose a new directory", file=dst)
@@ -163,8 +170,7 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> None:
                 shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
     try:
         os.makedirs(_state(dst), exist_ok=True)
-        if os.path.islink(_state(dst)):
-            raise OutputError(f"{STATE_DIR} is a symlink: refusing to write through it", file=dst)
+        _refuse_linked_state(dst)
         if read_json(_state(dst, "run.json")) is None:
             write_json(_state(dst, "run.json"), ident)
     except OSError as e:
@@ -303,6 +309,7 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
     """Write the manifest from the shard records; when every shard is done, also the side
     files, config, index and report, and mark the manifest complete (last)."""
     t0 = time.perf_counter()
+    _refuse_linked_state(dst)
     run = read_json(_state(dst, "run.json"))
     if run is None:
         raise OutputError("holds no k3convert state (nothing to finalize)", file=dst)
@@ -311,7 +318,7 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
         options = Options(profile=recorded.get("profile"),
                           drop_activation_quant=bool(recorded.get("drop_activation_quant")))
     plan = plan or options.plan(run["source"])
-    lock = open(_state(dst, "manifest.lock"), "a+")
+    lock = lock_file(_state(dst, "manifest.lock"))
     fcntl.flock(lock, fcntl.LOCK_EX)  # several batch jobs may finish at once
     try:
         return _finalize_locked(dst, plan, options, run, t0)
@@ -349,7 +356,8 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
         for rel in plan.other_files:
             out = dest_file(dst, rel)
             os.makedirs(os.path.dirname(out), exist_ok=True)
-            shutil.copyfile(os.path.join(plan.src, rel), out + ".tmp", follow_symlinks=True)
+            with open(os.path.join(plan.src, rel), "rb") as r, os.fdopen(fresh_file(out + ".tmp"), "wb") as w:
+                shutil.copyfileobj(r, w)
             os.replace(out + ".tmp", out)
         write_json(os.path.join(dst, "config.json"), plan.output_config())
         total = sum(t.nbytes for s in plan.shards for t in s.layout.tensors)

@@ -202,6 +202,12 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
                             f"(expected scale [{rows}, {cols // 32}])")
             continue
         converts[module] = Convert(module, t, scale, rows, cols)
+    suffix = "." + source.scale_suffix
+    for name, t in tensors.items():  # a scale whose packed tensor is nowhere would pass through as data
+        module = name[: -len(suffix)]
+        if name.endswith(suffix) and t.dtype == "U8" and module not in converts and source.selects(module) \
+                and f"{module}.{source.packed_suffix}" not in unread | tensors.keys():
+            problems.append(f"file {t.path}, tensor {name}: no {source.packed_suffix} for it in any shard")
     return converts
 
 
@@ -249,7 +255,7 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     roots = source_roots(src)
     config_path = source_file(src, "config.json", roots)
     config = ckpt.load_json(config_path)
-    prof, why = profiles.choose(config, ckpt.dialect(config, config_path), profile)
+    prof, why = profiles.choose(config, ckpt.dialect(config, config_path), profile, config_path)
     source = ckpt.mxfp4_source(config, config_path, drop_activation_quant)
     act = ckpt.activation(config, config_path, prof.required_activation)
     wm = ckpt.weight_map(src)

@@ -127,13 +127,15 @@ def named(name: str) -> Profile:
     raise BadInput(f"no profile named {name!r} (known: {', '.join(p.name for p in available())})")
 
 
-def choose(config: dict, dialect: str, name: str | None = None) -> tuple[Profile, str]:
+def choose(config: dict, dialect: str, name: str | None = None, config_path: str | None = None
+           ) -> tuple[Profile, str]:
     """The profile for this checkpoint and why: ``name`` if given, else the most specific
     bundled profile of the checkpoint's MXFP4 dialect whose match holds."""
     if name:
         p = named(name)
         if p.source != dialect:
-            raise BadInput(f"profile {p.name!r} reads {p.source} MXFP4, but config.json describes {dialect}")
+            raise BadInput(f"profile {p.name!r} reads {p.source} MXFP4, but the config describes {dialect}",
+                           file=config_path)
         ok, why = p.matches(config)
         return p, f"chosen by --profile{'' if ok else f' (its match does not hold: {why})'}"
     fits = [(p, why) for p in available() if p.source == dialect for ok, why in [p.matches(config)] if ok]

@@ -22,6 +22,7 @@ from .formats import checkpoint as ckpt
 from .formats.safetensors_io import Header, TensorInfo, read_header
 from .digest import file_digest
 from .manifest import MANIFEST, REPORT, TENSOR_TABLE, read_json, read_rows
+from .safepath import plain_name
 from .plan import PACKED, SCALE, SHAPE
 
 REL_TOL = 1e-6         # re-decoded relative RMSE vs the recorded figure
@@ -133,12 +134,13 @@ def _load(dst: str, files: Check, index_c: Check, config_c: Check) -> _Dst:
         raise BadInput(f"no {MANIFEST}: not a k3convert output directory", file=dst)
     index = _read_obj(os.path.join(dst, ckpt.INDEX), index_c)
     config = _read_obj(os.path.join(dst, "config.json"), config_c)
-    names = set(manifest.get("shards") or {})
+    # shard names read from DST's own files are untrusted too: nothing outside DST is opened
+    names = {plain_name(n, os.path.join(dst, MANIFEST)) for n in manifest.get("shards") or {}}
     wm = (index or {}).get("weight_map")
     if index is not None and not isinstance(wm, dict):
         index_c.fail(f"{ckpt.INDEX} has no weight_map")
     elif index is not None:
-        names |= set(wm.values())
+        names |= {plain_name(n, os.path.join(dst, ckpt.INDEX)) for n in wm.values()}
     headers: dict[str, Header] = {}
     where: dict[str, tuple[str, TensorInfo]] = {}
     for name in sorted(names):
@@ -440,7 +442,7 @@ def _source_identity(src: str, d: _Dst) -> Check:
     recorded = (d.manifest.get("source") or {}).get("shards") or {}
     from .manifest import file_fingerprint
     for name, fp in sorted(recorded.items()):
-        path = os.path.join(src, name)
+        path = os.path.join(src, plain_name(name, os.path.join(d.path, MANIFEST)))
         if not os.path.exists(path):
             c.fail(f"{name}: not in {src}")
             continue

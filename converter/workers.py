@@ -143,6 +143,8 @@ def _serve(device: str, threads: int | None, parent: int, tasks, events) -> None
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it terminates us,
     signal.signal(signal.SIGTERM, _interrupt)     # and the shard in hand drops its .partial
+    hook = sys.unraisablehook  # a stop that lands in a finalizer is no error worth a traceback
+    sys.unraisablehook = lambda u: None if issubclass(u.exc_type, KeyboardInterrupt) else hook(u)
     try:
         t0 = time.perf_counter()
         if threads:

@@ -83,7 +83,7 @@ def known_rows(subnormal: bool = False) -> torch.Tensor:
     Row 1: g0 all -0.0 (byte 1, codes 0); g1 one 6 and -0.1 elsewhere (codes 0, not 8).
     Row 2: row 0's g0 x 2^-20 (byte 107) and x 2 (amax 12, byte 128).
     Row 3: amax 7 = 1.75 * 4 rounds up to scale 2 (byte 128), both groups.
-    Row 4: g0 x 2^-110 (byte 15); with ``subnormal``, x 2^-127: quantized with scale 2^-127 but
+    Row 4: g0 x 2^-110 (byte 17); with ``subnormal``, x 2^-127: quantized with scale 2^-127 but
     written as byte 1 (2^-126), so it decodes to twice the source, and its best int4 scale is below
     bf16's normal range (k3convert refuses such a tensor); g1 x 2^100 (byte 227).
     Row 5: -8..7 twice per group (amax 8, byte 128).

@@ -212,8 +212,8 @@ def _ct_problems(block: dict, where: str, drop: bool, dropped: list[dict]) -> li
                 if drop:
                     dropped.append({"where": f"{at}.{kind}", "what": g[kind]})
                 else:
-                    out.append(f"{at} quantizes {kind.replace('_', ' ')} ({_describe(g[kind])}); k3convert "
-                               f"writes weight-only int4 (W4A16): pass {DROP_FLAG} to convert anyway")
+                    out.append(f"{at}.{kind} quantizes {kind.replace('_', ' ')} ({_describe(g[kind])}); "
+                               f"k3convert writes weight-only int4 (W4A16): pass {DROP_FLAG} to convert anyway")
     return out
 
 
@@ -289,10 +289,11 @@ def mxfp4_source(config: dict, config_path: str, drop: bool = False) -> MXFP4Sou
 
 # ---------------------------------------------------------------------------- activation
 
-def activation_fields(config: dict) -> dict[str, tuple[Any, str]]:
-    """Each activation field present: (value, "text_config" or "top-level"), nested first."""
+def activation_fields(config: dict, keys: tuple[str, ...] = ()) -> dict[str, tuple[Any, str]]:
+    """Each activation field present (SiTU's, and ``keys``): (value, "text_config" or "top-level"),
+    nested first."""
     found = {}
-    for key in SITU_FIELDS:
+    for key in dict.fromkeys(SITU_FIELDS + tuple(keys)):
         for where, scope in (("text_config", config.get("text_config") or {}), ("top-level", config)):
             if key in scope:
                 found[key] = (scope[key], where)
@@ -306,7 +307,7 @@ def activation(config: dict, config_path: str, required: tuple[str, ...] = ("hid
     Refuses a checkpoint whose activation cannot be stated: a kernel that assumes SiLU
     would load the result fine and produce garbage.
     """
-    act = {key: value for key, (value, _) in activation_fields(config).items()}
+    act = {key: value for key, (value, _) in activation_fields(config, required).items()}
     if act.get("hidden_act") == "situ":
         required = tuple(dict.fromkeys(required + SITU_FIELDS))
     missing = [k for k in required if k not in act]
@@ -330,7 +331,7 @@ def weight_map(src: str) -> dict[str, str]:
         wm = load_json(index).get("weight_map")
         if not isinstance(wm, dict) or not wm:
             raise BadInput("no weight_map", file=index)
-        for shard in set(wm.values()):
+        for shard in wm.values():
             plain_name(shard, index)
         return wm
     single = os.path.join(src, SINGLE)

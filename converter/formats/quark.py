@@ -99,6 +99,8 @@ def _problems(block: dict, where: str, drop: bool, dropped: list[dict]) -> list[
 def _spec(spec: Any) -> str:
     if isinstance(spec, list):
         return "several specs (two-level quantization)"
+    if spec and "dtype" not in spec:  # kv_cache_quant_config: {pattern: layer config}
+        return ", ".join(f"{p}: {_spec(c.get('output_tensors') or {})}" for p, c in spec.items())
     return f"{spec.get('dtype')} {spec.get('qscheme')}" + (f" group {spec['group_size']}" if spec.get("group_size") else "")
 
 
