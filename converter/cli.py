@@ -63,6 +63,9 @@ def main() -> None:
               help="Fail (exit 3) if any tensor's relative RMSE vs the MXFP4 weights exceeds this.")
 @click.option("--devices", default=None, help="Comma list like cuda:0,cuda:1 or cpu [default: every GPU, else CPU].")
 @click.option("--workers", type=int, default=1, show_default=True, help="CPU worker processes (no GPU).")
+@click.option("--workers-per-gpu", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Worker processes per GPU: each converts one shard at a time, so two keep a GPU's "
+                   "storage busy while one of them computes.")
 @click.option("--sample-experts", type=int, default=4, show_default=True,
               help="Experts per layer whose output error ||(Wq-W)x||/||Wx|| is measured.")
 @click.option("--overwrite", is_flag=True, help="Replace a DST that holds a different conversion.")
@@ -76,8 +79,8 @@ def main() -> None:
 @click.option("--dry-run", is_flag=True, help="Check everything, print the plan, convert nothing.")
 @click.option("--progress", type=click.Choice(["bar", "json", "none"]), default="bar", show_default=True,
               help="json: one JSON line per event on stderr, for schedulers and log collectors.")
-def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, sample_experts, overwrite, shard_spec, part,
-                  profile, drop_activation_quant, dry_run, progress) -> None:
+def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, workers_per_gpu, sample_experts, overwrite, shard_spec,
+                  part, profile, drop_activation_quant, dry_run, progress) -> None:
     """Convert the MXFP4 checkpoint SRC into an int4 checkpoint a server loads directly.
 
     Exit codes: 0 done, 2 bad input, 3 error threshold exceeded, 4 output/IO problem
@@ -87,6 +90,7 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, sample_experts, over
     from .validate import format_table
 
     opts = Options(max_rel_rmse=max_rel_rmse, sample_experts=sample_experts, workers=workers,
+                   workers_per_gpu=workers_per_gpu,
                    devices=devices.split(",") if devices else None, overwrite=overwrite, shard_spec=shard_spec,
                    part=part, profile=profile, drop_activation_quant=drop_activation_quant)
     bar = _Progress(progress)

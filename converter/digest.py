@@ -18,13 +18,20 @@ from .devices import cpus
 CHUNK = 64 << 20
 ALGORITHM = "sha256 of the SHA-256s of consecutive 64 MiB chunks"
 _pool: ThreadPoolExecutor | None = None
+_threads = 0
+
+
+def set_threads(cores: int) -> None:
+    """Size the hashing threads to this process's share of the cores (a worker among many)."""
+    global _threads
+    _threads = cores
 
 
 def pool() -> ThreadPoolExecutor:
     """The process's hashing threads (hashlib releases the GIL on large buffers)."""
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max(2, min(8, cpus() // 2)), "k3-hash")
+        _pool = ThreadPoolExecutor(max(2, min(8, (_threads or cpus()) // 2)), "k3-hash")
     return _pool
 
 

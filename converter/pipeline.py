@@ -38,6 +38,7 @@ class Options:
     sample_experts: int = 4      # experts per layer whose output error y = W x is measured
     devices: list[str] | None = None  # None: every visible GPU, else CPU
     workers: int = 1             # CPU processes when converting on the CPU
+    workers_per_gpu: int = 2     # two shards in flight per GPU: one output file is one write stream
     overwrite: bool = False
     batch_groups: int | None = None   # groups per requantize call [default: 2**20 CPU, 2**21 GPU]
     shard_spec: str | None = None     # --shards 3,5-9: convert only these (batch jobs)
@@ -85,10 +86,10 @@ def resolve_devices(options: Options) -> list[str]:
             raise BadInput(f"--devices: {d!r} is not cpu or cuda:N (ROCm GPUs are cuda:N too)")
     if devices and "cpu" in devices and len(devices) > 1:
         raise BadInput("--devices: use either cpu (with --workers) or GPUs, not both")
-    if devices and devices != ["cpu"]:
-        return list(devices)
     if devices is None and (n := gpu_count()):
-        return [f"cuda:{i}" for i in range(n)]
+        devices = [f"cuda:{i}" for i in range(n)]
+    if devices and devices != ["cpu"]:
+        return [d for d in devices for _ in range(max(1, options.workers_per_gpu))]
     return ["cpu"] * max(1, options.workers)
 
 

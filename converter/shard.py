@@ -141,7 +141,7 @@ class ShardConverter:
     """
 
     def __init__(self, requantize: Requantizer, device: str = "cpu", batch_groups: int = 1 << 20,
-                 sample: Callable[[Convert], bool] = lambda c: True, readers: int = 3, writers: int = 4,
+                 sample: Callable[[Convert], bool] = lambda c: True, readers: int = 3, writers: int = 2,
                  scale_shift: int = 0):
         self.requantize, self.device = requantize, torch.device(device)
         self.batch_groups, self.sample, self.scale_shift = batch_groups, sample, scale_shift % 256
@@ -237,10 +237,13 @@ class ShardConverter:
     @staticmethod
     def _write(writer: ShardWriter, pieces, offset: int, pool: _Pool | None, buf, progress, nbytes: int,
                stages: Stages) -> None:
+        """A copy piece (at ``offset`` in its tensor), or a batch's outputs: one contiguous run."""
         try:
             with stages.time("write"):
-                for name, data in pieces:
-                    writer.write(name, data, offset)
+                if len(pieces) == 1:
+                    writer.write(pieces[0][0], pieces[0][1], offset)
+                else:
+                    writer.write_run(pieces)
         finally:  # also on error: the compute thread may be waiting for this buffer
             if pool is not None:
                 pool.put(buf)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from . import digest
 from .devices import cpus
 from .errors import BadInput, ConvertError, OutputError
 from .plan import Convert, ShardPlan
@@ -138,7 +139,7 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def _serve(device: str, threads: int | None, parent: int, tasks, events) -> None:
+def _serve(device: str, share: int, parent: int, tasks, events) -> None:
     """A worker process: warm up, then convert tasks until the parent sends None."""
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it terminates us,
@@ -147,14 +148,17 @@ def _serve(device: str, threads: int | None, parent: int, tasks, events) -> None
     sys.unraisablehook = lambda u: None if issubclass(u.exc_type, KeyboardInterrupt) else hook(u)
     try:
         t0 = time.perf_counter()
-        if threads:
-            import torch
-            torch.set_num_threads(threads)
-            if device.startswith("cpu"):
-                import numba
-                numba.set_num_threads(threads)
+        import torch
+        t_torch = time.perf_counter()
+        digest.set_threads(share)
+        if device.startswith("cpu"):
+            import numba
+            torch.set_num_threads(share)
+            numba.set_num_threads(share)
         _warm_up(device)
-        events.put(("ready", {"device": device, "seconds": round(time.perf_counter() - t0, 3)}))
+        t = time.perf_counter()  # where start-up goes: the imports, then the kernel's load and first run
+        events.put(("ready", {"device": device, "seconds": round(t - t0, 3),
+                              "import_torch_s": round(t_torch - t0, 3), "warm_up_s": round(t - t_torch, 3)}))
         convs = _Converters(device)
         while (task := tasks.get()) is not None:
             if not _run(convs, task, events.put):
@@ -178,8 +182,8 @@ class Workers:
             return
         ctx = mp.get_context("spawn")
         self.tasks, self.events = ctx.Queue(), ctx.Queue()
-        threads = max(1, cpus() // len(devices)) if devices[0] == "cpu" else None
-        self.procs = [ctx.Process(target=_serve, daemon=True, args=(d, threads, os.getpid(), self.tasks, self.events))
+        share = max(1, cpus() // len(devices))  # each worker's cores: compute threads (CPU), hashing
+        self.procs = [ctx.Process(target=_serve, daemon=True, args=(d, share, os.getpid(), self.tasks, self.events))
                       for d in devices]
         for p in self.procs:
             p.start()

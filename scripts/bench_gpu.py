@@ -46,7 +46,8 @@ def sh(cmd: list[str], cwd: str | None = None) -> float:
     return time.perf_counter() - t0
 
 
-def convert(code: str, src: str, dst: str, devices: str, workers: int, cold: bool, io: str | None = None) -> dict:
+def convert(code: str, src: str, dst: str, devices: str, workers: int, cold: bool, io: str | None = None,
+            extra: tuple[str, ...] = ()) -> dict:
     """One conversion with the package found in ``code``; timings from its JSON events."""
     shutil.rmtree(dst, ignore_errors=True)
     dropped = drop_caches() if cold else None
@@ -60,7 +61,7 @@ def convert(code: str, src: str, dst: str, devices: str, workers: int, cold: boo
             "print('{\"maxrss_kB\": %d}' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
             "sys.exit(r.returncode)")
     cmd = [sys.executable, "-c", wrap, sys.executable, "-m", "converter", "mxfp4-to-int4", src, "-o", dst,
-           "--progress", "json", "--devices", devices, "--workers", str(workers)]
+           "--progress", "json", "--devices", devices, "--workers", str(workers), *extra]
     t0 = time.time()
     # cwd too: ``python -m`` puts the working directory first on sys.path
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=code)
@@ -80,9 +81,11 @@ def convert(code: str, src: str, dst: str, devices: str, workers: int, cold: boo
         shas = {n: r["sha256"] if "sha256" in r else r.get("digest") for n, r in json.load(f)["shards"].items()}
     steady = max(dones) - min(starts)
     ready = [e["time"] for e in events if e.get("event") == "ready"]  # workers imported and warmed up
+    parts = [e for e in events if e.get("event") == "ready"]
     plan = [e["time"] for e in events if e.get("event") == "plan"]   # preflight done
     return {"wall_s": wall, "startup_s": min(starts) - t0, "workers_ready_s": max(ready) - t0 if ready else None,
-            "preflight_s": plan[0] - t0 if plan else None, "steady_s": steady, "steady_GBps": size / steady / 1e9,
+            "preflight_s": plan[0] - t0 if plan else None,
+            "ready_parts": {k: max(e.get(k, 0) for e in parts) for k in ("import_torch_s", "warm_up_s")} if parts else None, "steady_s": steady, "steady_GBps": size / steady / 1e9,
             "wall_GBps": size / wall / 1e9, "cache_dropped": dropped, "stages": stages, "digests": shas,
             "maxrss_GB": next(e["maxrss_kB"] for e in events if "maxrss_kB" in e) * 1024 / 1e9}
 
@@ -153,17 +156,19 @@ def main() -> int:
     codes = [("new", here)] + ([("old", os.path.abspath(args.old))] if args.old else [])
     out = os.path.join(root, "out")
     reference = None
-    runs = [(f"{v}_{label}", code, src, devices, workers, None)
+    runs = [(f"{v}_{label}", code, src, devices, workers, None, ())
             for label, devices, workers in plans for v, code in codes]
+    if gpus:  # the new default is two workers per GPU: one GPU worker alone, for the goal that names it
+        runs.append(("new_1gpu_1worker", here, src, "cuda:0", 1, None, ("--workers-per-gpu", "1")))
     for io in filter(None, args.io_threads.split(";")):  # K3CONVERT_IO_THREADS variants, 1 GPU, new code
-        runs.append((f"new_1gpu_io{io.replace(',', '_')}", here, src, "cuda:0", 1, io))
+        runs.append((f"new_1gpu_io{io.replace(',', '_')}", here, src, "cuda:0", 1, io, ()))
     if args.straddled and gpus:  # the same size, shards cut by size (pairs split across shards)
         straddled = os.path.join(root, "src_straddled")
         build(straddled, "--layers", str(layers), "--experts", str(experts), "--shards", str(args.shards))
-        runs.append(("new_1gpu_straddled", here, straddled, "cuda:0", 1, None))
-    for name, code, source, devices, workers, io in runs:
-        convert(code, warm, out, devices, workers, False, io)  # caches warm, as after any first run
-        r = convert(code, source, out, devices, workers, args.cold, io)
+        runs.append(("new_1gpu_straddled", here, straddled, "cuda:0", 1, None, ()))
+    for name, code, source, devices, workers, io, extra in runs:
+        convert(code, warm, out, devices, workers, False, io, extra)  # caches warm, as after any first run
+        r = convert(code, source, out, devices, workers, args.cold, io, extra)
         if source != src:  # another checkpoint: nothing to compare bytes with
             r.pop("digests")
             res["runs"][name] = r
@@ -180,8 +185,8 @@ def main() -> int:
         res["runs"][name] = r
         st = " ".join(f"{k}={v:.1f}" for k, v in sorted(r["stages"].items()))
         print(f"{name:22} {r['wall_s']:7.2f} s  {r['wall_GBps']:6.2f} GB/s wall, steady {r['steady_GBps']:.2f} "
-              f"GB/s, start-up {r['startup_s']:.2f} s (workers ready {r['workers_ready_s'] or 0:.2f}, preflight "
-              f"{r['preflight_s'] or 0:.2f}), maxrss {r['maxrss_GB']:.2f} GB, same bytes {r['identical_to_first_run']} "
+              f"GB/s, start-up {r['startup_s']:.2f} s (workers ready {r['workers_ready_s'] or 0:.2f}: "
+              f"{r['ready_parts']}, preflight {r['preflight_s'] or 0:.2f}), maxrss {r['maxrss_GB']:.2f} GB, same bytes {r['identical_to_first_run']} "
               f"| {st}", flush=True)
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(os.path.join(root, "ref"), ignore_errors=True)
