@@ -28,7 +28,7 @@ from converter import jobfile
 from converter.cli import mxfp4_to_int4
 from converter.fixture import FixtureSpec, make_fixture
 
-from conftest import (MANIFEST, assert_not_complete, ct_mxfp4_encode, expert_modules, raw_header, read_json,
+from conftest import (INDEX, MANIFEST, assert_not_complete, ct_mxfp4_encode, expert_modules, raw_header, read_json,
                       run_cli, tree_hash)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -309,8 +309,9 @@ def test_failing_task_fails_with_its_log(slurm, src, tmp_path):
     shutil.copytree(src, bad)
     shard = sorted(set(expert_modules(bad).values()))[-2]  # model-00004-of-00005: part 2 of 2
     module = sorted(m for m, s in expert_modules(bad).items() if s == shard)[0]
-    header, start = raw_header(os.path.join(bad, shard))
-    with open(os.path.join(bad, shard), "r+b") as f:
+    scale_shard = read_json(os.path.join(bad, INDEX))["weight_map"][f"{module}.weight_scale"]  # maybe another
+    header, start = raw_header(os.path.join(bad, scale_shard))
+    with open(os.path.join(bad, scale_shard), "r+b") as f:
         f.seek(start + header[f"{module}.weight_scale"]["data_offsets"][0])
         f.write(b"\xff")  # E8M0 255 = NaN
     dst = str(tmp_path / "dst")
@@ -321,7 +322,7 @@ def test_failing_task_fails_with_its_log(slurm, src, tmp_path):
         assert_array_ok(r, tmp_path / "work", job_id, 2)
     msg = str(e.value)
     assert f"--- task 1 (k3convert-{job_id}_1.log)" in msg and "--- task 0" not in msg, msg
-    error = rf"^k3convert: error: file \S*{re.escape(shard)}, tensor {re.escape(module)}\.weight_scale: .*NaN"
+    error = rf"^k3convert: error: file \S*{re.escape(scale_shard)}, tensor {re.escape(module)}\.weight_scale: .*NaN"
     assert re.search(error, msg, re.M), msg
     assert "slurm_array.sh: task 1 (part 2/2) failed with exit 2" in msg, msg
     assert_not_complete(dst)
