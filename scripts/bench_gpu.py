@@ -170,24 +170,22 @@ def main() -> int:
         convert(code, warm, out, devices, workers, False, io, extra)  # caches warm, as after any first run
         r = convert(code, source, out, devices, workers, args.cold, io, extra)
         if source != src:  # another checkpoint: nothing to compare bytes with
-            r.pop("digests")
-            res["runs"][name] = r
-            print(f"{name:22} {r['wall_s']:7.2f} s, steady {r['steady_GBps']:.2f} GB/s, "
-                  f"start-up {r['startup_s']:.2f} s", flush=True)
-        if reference is None:  # the first run's shards are the reference for every other run
-            reference = os.path.join(root, "ref")
-            shutil.rmtree(reference, ignore_errors=True)
-            shutil.copytree(out, reference, ignore=shutil.ignore_patterns(".k3convert"))
-        r["identical_to_first_run"] = all(
-            subprocess.run(["cmp", "-s", os.path.join(out, n), os.path.join(reference, n)]).returncode == 0
-            for n in r["digests"])
+            r["identical_to_first_run"] = None
+        else:
+            if reference is None:  # the first run's shards are the reference for every other run
+                reference = os.path.join(root, "ref")
+                shutil.rmtree(reference, ignore_errors=True)
+                shutil.copytree(out, reference, ignore=shutil.ignore_patterns(".k3convert"))
+            r["identical_to_first_run"] = all(
+                subprocess.run(["cmp", "-s", os.path.join(out, n), os.path.join(reference, n)]).returncode == 0
+                for n in r["digests"])
         r.pop("digests")
         res["runs"][name] = r
         st = " ".join(f"{k}={v:.1f}" for k, v in sorted(r["stages"].items()))
         print(f"{name:22} {r['wall_s']:7.2f} s  {r['wall_GBps']:6.2f} GB/s wall, steady {r['steady_GBps']:.2f} "
               f"GB/s, start-up {r['startup_s']:.2f} s (workers ready {r['workers_ready_s'] or 0:.2f}: "
-              f"{r['ready_parts']}, preflight {r['preflight_s'] or 0:.2f}), maxrss {r['maxrss_GB']:.2f} GB, same bytes {r['identical_to_first_run']} "
-              f"| {st}", flush=True)
+              f"{r['ready_parts']}, preflight {r['preflight_s'] or 0:.2f}), maxrss {r['maxrss_GB']:.2f} GB, "
+              f"same bytes {r['identical_to_first_run']} | {st}", flush=True)
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(os.path.join(root, "ref"), ignore_errors=True)
     with open(os.path.join(args.out, f"bench_gpu_{'mem' if args.memory else 'disk'}.json"), "w") as f:
