@@ -12,6 +12,7 @@ import click
 from . import __version__, jobfile
 from .errors import ConvertError
 from .manifest import REPORT
+from .serving import SERVERS
 
 
 class _Progress:
@@ -180,7 +181,7 @@ def demo(ctx, workdir) -> None:
 @click.option("--sample", type=int, default=8, show_default=True, help="Converted tensors to re-decode (with --source).")
 @click.option("--all", "all_", is_flag=True, help="Re-decode every converted tensor (with --source; slow on the real model).")
 @click.option("--no-checksums", is_flag=True, help="Skip hashing the shards (structure checks only).")
-@click.option("--serving", type=click.Choice(["vllm-rocm", "sglang-rocm"]), default=None,
+@click.option("--serving", type=click.Choice(SERVERS), default=None,
               help="Also check DST against that server's int4 W4A16 MoE path on gfx942 (docs/serving.md).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tensor-parallel size the server will run with (with --serving).")

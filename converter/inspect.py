@@ -220,7 +220,7 @@ def format_info(info: dict[str, Any]) -> str:
     if plan and "error" in plan:
         lines.append(f"  conversion:   preflight fails: {plan['error']}")
     elif plan:
-        lines.append(f"  conversion:   {plan['tensors_to_convert']} expert matrices to convert "
+        lines.append(f"  conversion:   {plan['tensors_to_convert']} MXFP4 matrices to convert "
                      f"({plan['source_tensors_converted']} source tensors); output {_gb(plan['bytes_out'])} "
                      f"from {_gb(plan['bytes_in'])}; {plan['modules_split_across_shards']} module(s) with "
                      "packed and scale tensors in different shards")

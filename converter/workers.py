@@ -1,4 +1,5 @@
-"""Worker processes: one per GPU, or ``--workers`` on the CPU, fed shards from a shared queue.
+"""Worker processes: ``--workers-per-gpu`` per GPU, or ``--workers`` on the CPU, fed shards
+from a shared queue, largest first; each converts one shard at a time.
 
 Workers start before the parent plans, so their imports (torch, Triton, numba: seconds)
 and kernel warm-up overlap the parent's reading of every header. A single worker runs in
@@ -21,7 +22,7 @@ from typing import Callable
 from . import digest
 from .devices import cpus
 from .errors import BadInput, ConvertError, OutputError
-from .plan import Convert, ShardPlan
+from .plan import ShardPlan
 
 Handler = Callable[[str, dict], None]   # (event kind, fields); raises to stop the run
 
@@ -68,7 +69,7 @@ def _warm_up(device: str) -> None:
 
 def io_threads() -> dict[str, int]:
     """Reader and writer threads per worker: ``K3CONVERT_IO_THREADS=readers,writers`` tunes them
-    for unusual storage (the defaults keep one H200 fed from tmpfs and NVMe; BENCHMARKS.md)."""
+    for unusual storage (the defaults were measured on an H200 host: BENCHMARKS.md)."""
     raw = os.environ.get("K3CONVERT_IO_THREADS")
     if not raw:
         return {}
@@ -239,5 +240,3 @@ def raise_error(f: dict) -> None:
     err.file, err.tensor = f.get("file"), f.get("tensor")
     raise err
 
-
-__all__ = ["Task", "Workers", "requantizer", "raise_error", "Convert"]

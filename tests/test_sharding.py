@@ -394,7 +394,7 @@ def test_inspect_source(name, sources, model):
     if name == "c_far_apart":
         r = run_cli("inspect", src.path)
         assert r.exit_code == 0, r.output
-        assert f"{MODULES} expert matrices to convert" in r.stdout
+        assert f"{MODULES} MXFP4 matrices to convert" in r.stdout
 
 
 # ------------------------------------------------------------------------------ §1: job arrays

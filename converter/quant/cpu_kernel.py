@@ -1,9 +1,28 @@
 """The fast CPU requantizer: the same function as requant.requantize, compiled with numba.
 
-One pass per group, nothing materialized: histogram, an int32 score per candidate of the
-group's class accumulated over the codes present only, argmin, then the byte and scale
-lookups. The integer scores are exact (tables.class_int_scores), so threads and vector
-widths cannot change a single output byte.
+Per group, nothing materialized: the magnitude counts by bit-plane popcounts, every
+candidate of the group's class scored at once in explicit int32 vector code, the first best
+kept, then the bytes (two 16-entry table shuffles), the scale and the statistics. Groups go in
+runs of ``SUB``: the scores of a run first, then its bytes, so the stores never wait on the
+long score chain.
+
+Exact, so threads and vector widths cannot change a byte (docs/maths.md):
+
+* A class's scores are integers ``F[c, k]`` (tables.class_int_scores) with
+  ``32 * max|F| < 2**27``. Below the class's top magnitude +L and -L score alike (the int4
+  clamp is asymmetric only at the top; asserted below), so a group's score is
+  ``sum_mag h_mag F[mag] + h_top- (F[top-] - F[top])`` with h_mag counting both signs.
+* The vector lanes carry keys ``8 * score + b``, b < 7 the candidate's block: below ``2**30``
+  in magnitude, padding slots hold ``2**30`` and never win. int32 sums wrap modulo 2**32 and
+  every key's true value fits, so any summation order gives it exactly.
+* Products come from PMADDWD (signed 16-bit pairs multiply-added into int32): ``8 F = 1023 hi
+  + lo`` with ``0 <= lo < 1023`` and ``|hi| < 2**15`` (asserted), multiplied by ``(h, 1023 h)``;
+  ``h <= 32`` so ``1023 h`` fits int16, and ``h lo + 1023 h hi = 8 h F`` exactly.
+* Lane l of block b holds candidate ``l * nb + b`` (priority order). A lane's minimum key over
+  the blocks keeps its first best score, the smallest score over the lanes then its first
+  lane: the first exact minimum, i.e. the tie rule.
+* A group's squared error is its ranking score plus ``sum h L^2`` (both exact in float64), as
+  the reference computes it term by term.
 """
 from __future__ import annotations
 
@@ -13,83 +32,263 @@ import math
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .requant import STAT_FIELDS, Result
 from .tables import E2M1_VALUES, class_int_scores, tables
 
 CHUNK = 4096  # groups per parallel work item
+SUB = 64      # groups scored before their bytes are written
+LANES = 16    # candidates per vector block
+TERMS = 8     # magnitudes 1..7 (both signs) and the top magnitude's negative codes
+PAD = 1 << 30  # key of a padding slot: above every real key (|8 * score + b| < 2**30)
+SPLIT = 1023  # 8 F = SPLIT * hi + lo, see the module docstring
+
+_I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_KEYS = ir.VectorType(_I32, LANES)
+_PAIRS = ir.VectorType(_I16, 2 * LANES)
+_BYTES = ir.VectorType(ir.IntType(8), 16)
 
 
 @functools.cache
-def _packed_tables():
-    """Class-major int32 tables, indexed [level, magnitude, j] for the j-th member of the class."""
+def _packed_tables() -> tuple[np.ndarray, ...]:
+    """Per level, its candidates in blocks of 16, lane-major (slot 16 b + l holds candidate
+    l * nb + b): an int32 init key per slot and, per term, 16 (lo, hi) int16 pairs of 8 F."""
     t = tables()
-    kpad = -(-max(len(ix) for ix in t.members.values()) // 16) * 16  # whole SIMD vectors
-    score = np.zeros((8, 16, kpad), dtype=np.int32)
-    init = np.full((8, kpad), 1 << 30, dtype=np.int32)  # padding never wins: sums stay < 2**27
-    members = np.zeros((8, kpad), dtype=np.int64)
-    for lv, ix in t.members.items():
-        score[lv, :, :len(ix)] = class_int_scores(t.score[:, ix], lv)
-        init[lv, :len(ix)] = 0
+    base = np.zeros(8, dtype=np.int64)       # first block of the level
+    nblk = np.zeros(8, dtype=np.int64)       # blocks of the level
+    width = -(-max(len(ix) for ix in t.members.values()) // LANES) * LANES
+    members = np.zeros((8, width), dtype=np.int64)
+    unit = np.zeros(8)                       # a score integer's value in the class
+    pairs, inits = [], []
+    for lv in range(1, 8):
+        ix = t.members[lv]
+        score = class_int_scores(t.score[:, ix], lv).astype(np.int64)
+        big = np.unravel_index(np.argmax(np.abs(score)), score.shape)
+        unit[lv] = t.score[:, ix][big] / score[big]
+        assert np.array_equal(score * unit[lv], np.where(((np.arange(16) & 7) <= lv)[:, None], t.score[:, ix], 0))
+        assert 32 * np.abs(score).max() < 1 << 27
+        below = np.arange(1, lv)
+        assert np.array_equal(t.q[below][:, ix], -t.q[below + 8][:, ix]), "only the top magnitude is asymmetric"
+        nb = -(-len(ix) // LANES)
+        rows = np.zeros((TERMS, LANES * nb), dtype=np.int64)
+        rows[:7, :len(ix)] = 8 * score[1:8]
+        rows[7, :len(ix)] = 8 * (score[lv + 8] - score[lv])
+        init = np.full(LANES * nb, PAD, dtype=np.int64)
+        init[:len(ix)] = np.arange(len(ix)) % nb  # candidate k = l * nb + b sits in block b
+        slot = np.array([l * nb + b for b in range(nb) for l in range(LANES)])
+        r = rows[:, slot].reshape(TERMS, nb, LANES).transpose(1, 0, 2)
+        pair = np.stack([r % SPLIT, r // SPLIT], axis=-1)  # [block, term, lane, (lo, hi)]
+        assert np.abs(pair).max() < 1 << 15
+        pairs.append(pair.astype(np.int16).reshape(-1))
+        inits.append(init[slot].astype(np.int32))
+        base[lv] = sum(nblk)
+        nblk[lv] = nb
         members[lv, :len(ix)] = ix
-    # +L and -L score alike except where the int4 range clamps asymmetrically (-8 vs 7): fold
-    # each magnitude's two codes into one row and keep the (rare) -L difference apart.
-    # int32 arithmetic wraps modulo 2**32, and the true sum fits, so the fold stays exact.
-    fold = score[:, :8, :].copy()
-    diff = score[:, 8:, :] - score[:, :8, :]
-    has_diff = np.any(diff != 0, axis=2)
-    return (fold, diff, has_diff, init, members, t.byte_map, t.exp, t.mant,
-            np.ascontiguousarray(t.err2.T), np.ascontiguousarray(t.abserr.T), E2M1_VALUES**2,
+    nib = (t.q.T.astype(np.int16) + 8).astype(np.uint8)  # [K, 16]: q + 8 for each code
+    nibs = np.ascontiguousarray(np.concatenate([nib, nib << 4], axis=1))
+    return (np.concatenate(pairs), np.concatenate(inits), base, nblk, members, unit, nibs, t.exp, t.mant,
+            np.ascontiguousarray(t.abserr.T), t.abserr.max(axis=0), ((2 * E2M1_VALUES[:8]) ** 2).astype(np.int32),
             np.ldexp(1.0, np.arange(256) - 127))
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _run(packed, scales, out, out_scale, partial, fold, diff, has_diff, init, members, byte_map, exp, mant,
-         err2_t, abserr_t, ref2, units):  # pragma: no cover - compiled
-    n = packed.shape[0]
-    nchunks = (n + CHUNK - 1) // CHUNK
-    kpad = fold.shape[2]
-    for ci in numba.prange(nchunks):
-        hist = np.zeros(16, dtype=np.int32)
-        sc = np.empty(kpad, dtype=np.int32)
-        e2 = 0.0
-        r2 = 0.0
-        mx = 0.0
-        nan = 0
-        bad = 0
-        for g in range(ci * CHUNK, min(n, (ci + 1) * CHUNK)):
-            hist[:] = 0
-            for j in range(16):
-                b = packed[g, j]
-                hist[b & 15] += 1
-                hist[b >> 4] += 1
-            level = 0
-            for c in range(1, 8):
-                if hist[c] + hist[c + 8] > 0:
-                    level = c
-            s = np.int64(scales[g])
-            kg = 0
+def _function(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _splat(builder, value, vty):
+    v = builder.insert_element(ir.Constant(vty, None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, None), ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+
+
+def _pmaddwd(builder, features, a, b):
+    """``<32 x i16>`` a, b -> ``<16 x i32>`` a[2i] b[2i] + a[2i+1] b[2i+1]: PMADDWD on x86 (AVX2;
+    LLVM fuses halves into AVX-512 where it can), portable IR elsewhere."""
+    if "+avx2" in features:
+        half = ir.VectorType(_I16, LANES)
+        fn = _function(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, LANES // 2), [half, half])
+        lo, hi = (ir.Constant(ir.VectorType(_I32, LANES), list(range(s, s + LANES))) for s in (0, LANES))
+        r0 = builder.call(fn, [builder.shuffle_vector(a, a, lo), builder.shuffle_vector(b, b, lo)])
+        r1 = builder.call(fn, [builder.shuffle_vector(a, a, hi), builder.shuffle_vector(b, b, hi)])
+        return builder.shuffle_vector(r0, r1, ir.Constant(ir.VectorType(_I32, LANES), list(range(LANES))))
+    prods = []
+    for start in (0, 1):
+        pick = ir.Constant(ir.VectorType(_I32, LANES), list(range(start, 2 * LANES, 2)))
+        prods.append(builder.mul(builder.sext(builder.shuffle_vector(a, a, pick), _KEYS),
+                                 builder.sext(builder.shuffle_vector(b, b, pick), _KEYS)))
+    return builder.add(*prods)
+
+
+@intrinsic
+def _best(typingctx, pairs, init, first, nb, mult):  # pragma: no cover - compiled
+    """The class's first best candidate for one group: ``(score << 8) | priority index``.
+
+    ``mult``: per term ``h | (SPLIT * h) << 16``; blocks ``first .. first + nb - 1``.
+    """
+    sig = types.int64(pairs, init, types.int64, types.int64, mult)
+
+    def codegen(context, builder, signature, args):
+        features = getattr(context.codegen(), "_tm_features", "")
+        pairs_v, init_v, first_v, nb_v, mult_v = args
+        pdata = context.make_array(signature.args[0])(context, builder, pairs_v).data
+        idata = context.make_array(signature.args[1])(context, builder, init_v).data
+        hv = []
+        for t in range(TERMS):
+            m = builder.extract_value(mult_v, t)
+            m = builder.trunc(m, _I32) if m.type.width > 32 else m
+            hv.append(builder.bitcast(_splat(builder, m, _KEYS), _PAIRS))
+        best = cgutils.alloca_once_value(builder, ir.Constant(_KEYS, [0x7FFFFFFF] * LANES))
+        smin = _function(builder, "llvm.smin.v16i32", _KEYS, [_KEYS, _KEYS])
+        with cgutils.for_range(builder, nb_v) as loop:
+            blk = builder.add(first_v, loop.index)
+            iptr = builder.gep(idata, [builder.mul(blk, ir.Constant(_I64, LANES))])
+            key = builder.load(builder.bitcast(iptr, _KEYS.as_pointer()), align=4)
+            row = builder.mul(blk, ir.Constant(_I64, TERMS * 2 * LANES))
+            for t in range(TERMS):
+                tptr = builder.gep(pdata, [builder.add(row, ir.Constant(_I64, t * 2 * LANES))])
+                w = builder.load(builder.bitcast(tptr, _PAIRS.as_pointer()), align=2)
+                key = builder.add(key, _pmaddwd(builder, features, w, hv[t]))
+            builder.store(builder.call(smin, [builder.load(best), key]), best)
+        keys = builder.load(best)
+        score = builder.ashr(keys, ir.Constant(_KEYS, [3] * LANES))
+        low = builder.call(_function(builder, "llvm.vector.reduce.smin.v16i32", _I32, [_KEYS]), [score])
+        mask = builder.bitcast(builder.icmp_signed("==", score, _splat(builder, low, _KEYS)), _I16)
+        lane = builder.call(_function(builder, "llvm.cttz.i16", _I16, [_I16, ir.IntType(1)]),
+                            [mask, ir.Constant(ir.IntType(1), 1)])
+        lane = builder.zext(lane, _I64)
+        blkno = builder.zext(builder.and_(builder.extract_element(keys, lane), ir.Constant(_I32, 7)), _I64)
+        index = builder.add(builder.mul(lane, nb_v), blkno)
+        return builder.or_(builder.shl(builder.sext(low, _I64), ir.Constant(_I64, 8)), index)
+
+    return sig, codegen
+
+
+@intrinsic
+def _write_bytes(typingctx, packed, out, g, nibs, k):  # pragma: no cover - compiled
+    """``out[g] = nibs[k, low nibbles] | nibs[k, 16 + high nibbles]`` for the group's 16 bytes."""
+    sig = types.void(packed, out, types.int64, nibs, types.int64)
+
+    def codegen(context, builder, signature, args):
+        features = getattr(context.codegen(), "_tm_features", "")
+        p_v, o_v, g_v, n_v, k_v = args
+        ptr = [context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 1, 3)]
+        vec = [builder.bitcast(builder.gep(ptr[i], [off]), _BYTES.as_pointer()) for i, off in
+               ((0, builder.mul(g_v, ir.Constant(_I64, 16))), (1, builder.mul(g_v, ir.Constant(_I64, 16))),
+                (2, builder.mul(k_v, ir.Constant(_I64, 32))), (2, builder.add(builder.mul(k_v, ir.Constant(_I64, 32)),
+                                                                             ir.Constant(_I64, 16))))]
+        src = builder.load(vec[0], align=1)
+        low, high = builder.load(vec[2], align=1), builder.load(vec[3], align=1)
+        fifteen = ir.Constant(_BYTES, [15] * 16)
+        lo = builder.and_(src, fifteen)
+        hi = builder.and_(builder.lshr(src, ir.Constant(_BYTES, [4] * 16)), fifteen)
+        if "+ssse3" in features:
+            fn = _function(builder, "llvm.x86.ssse3.pshuf.b.128", _BYTES, [_BYTES, _BYTES])
+            res = builder.or_(builder.call(fn, [low, lo]), builder.call(fn, [high, hi]))
+        else:
+            res = ir.Constant(_BYTES, None)
+            for i in range(16):
+                at = ir.Constant(_I32, i)
+                b = builder.or_(builder.extract_element(low, builder.extract_element(lo, at)),
+                                builder.extract_element(high, builder.extract_element(hi, at)))
+                res = builder.insert_element(res, b, at)
+        builder.store(res, vec[1], align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _popcount(typingctx, x):  # pragma: no cover - compiled
+    sig = types.int64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        return builder.call(_function(builder, "llvm.ctpop.i64", _I64, [_I64]), [args[0]])
+
+    return sig, codegen
+
+
+@numba.njit(inline="always")
+def _counts(x, y):  # pragma: no cover - compiled
+    """A group's (two words') counts of |code| 1..7, of its top magnitude's negative codes, and
+    that top magnitude (0: all zero), by bit planes: code bit i of every nibble at bit 0 of the
+    nibble for word x, at bit 1 for word y."""
+    m = np.uint64(0x1111111111111111)
+    both = np.uint64(0x3333333333333333)
+    one = np.uint64(1)
+    p0 = (x & m) | ((y & m) << one)
+    p1 = ((x >> one) & m) | (((y >> one) & m) << one)
+    p2 = ((x >> np.uint64(2)) & m) | (((y >> np.uint64(2)) & m) << one)
+    p3 = ((x >> np.uint64(3)) & m) | (((y >> np.uint64(3)) & m) << one)
+    n0, n1, n2 = p0 ^ both, p1 ^ both, p2 ^ both
+    q0, q1, q2, q3 = n1 & n2, p1 & n2, n1 & p2, p1 & p2
+    m1, m2, m3, m4, m5, m6, m7 = p0 & q0, n0 & q1, p0 & q1, n0 & q2, p0 & q2, n0 & q3, p0 & q3
+    h1, h2, h3, h4 = _popcount(m1), _popcount(m2), _popcount(m3), _popcount(m4)
+    h5, h6, h7 = _popcount(m5), _popcount(m6), _popcount(m7)
+    level, top = 0, np.uint64(0)
+    if h1 > 0:
+        level, top = 1, m1
+    if h2 > 0:
+        level, top = 2, m2
+    if h3 > 0:
+        level, top = 3, m3
+    if h4 > 0:
+        level, top = 4, m4
+    if h5 > 0:
+        level, top = 5, m5
+    if h6 > 0:
+        level, top = 6, m6
+    if h7 > 0:
+        level, top = 7, m7
+    return h1, h2, h3, h4, h5, h6, h7, _popcount(top & p3), level
+
+
+@numba.njit(inline="always")
+def _mult(h):  # pragma: no cover - compiled
+    return h | (SPLIT * h) << 16
+
+
+@numba.njit(cache=True, nogil=True)
+def _chunk(words, packed, scales, out, out_scale, lo, hi, pairs, init, base, nblk, members, unit, nibs, exp, mant,
+           abserr_t, maxabs, l2sq, units, res):  # pragma: no cover - compiled
+    """Groups lo..hi-1: bytes, scales, and the statistics into res."""
+    e2 = 0.0
+    r2 = 0.0
+    mx = 0.0
+    nan = 0
+    bad = 0
+    best = np.empty(SUB, dtype=np.int64)
+    low = np.empty(SUB, dtype=np.int64)
+    hs = np.empty((SUB, 10), dtype=np.int64)  # level, h1..h7, h_top-
+    for run in range(lo, hi, SUB):
+        end = min(hi, run + SUB)
+        for g in range(run, end):
+            h1, h2, h3, h4, h5, h6, h7, hn, level = _counts(words[g, 0], words[g, 1])
+            i = g - run
+            best[i] = 0
+            low[i] = 0
             if level > 0:
-                for j in range(kpad):
-                    sc[j] = init[level, j]
-                for mag in range(1, level + 1):
-                    h = hist[mag] + hist[mag + 8]
-                    if h > 0:
-                        for j in range(kpad):
-                            sc[j] += h * fold[level, mag, j]
-                    h = hist[mag + 8]
-                    if h > 0 and has_diff[level, mag]:
-                        for j in range(kpad):
-                            sc[j] += h * diff[level, mag, j]
-                low = sc[0]
-                for j in range(kpad):  # a vectorized min, then its first index: the tie rule
-                    low = min(low, sc[j])
-                best = 0
-                while sc[best] != low:
-                    best += 1
-                kg = members[level, best]
-            for j in range(16):
-                out[g, j] = byte_map[kg, packed[g, j]]
+                key = _best(pairs, init, base[level], nblk[level], (_mult(h1), _mult(h2), _mult(h3), _mult(h4),
+                                                                     _mult(h5), _mult(h6), _mult(h7), _mult(hn)))
+                low[i] = key >> 8
+                best[i] = members[level, key & 255]
+            hs[i, 0] = level
+            hs[i, 1] = h1
+            hs[i, 2] = h2
+            hs[i, 3] = h3
+            hs[i, 4] = h4
+            hs[i, 5] = h5
+            hs[i, 6] = h6
+            hs[i, 7] = h7
+            hs[i, 8] = hn
+        for g in range(run, end):
+            i = g - run
+            kg = best[i]
+            _write_bytes(packed, out, g, nibs, kg)
+            s = np.int64(scales[g])
+            level = hs[i, 0]
             field = exp[kg] + s - 127
             if s == 255:
                 nan += 1
@@ -103,26 +302,35 @@ def _run(packed, scales, out, out_scale, partial, fold, diff, has_diff, init, me
                 out_scale[g] = 0
                 continue
             out_scale[g] = (field << 7) | mant[kg]
-            unit = units[s]
-            ge = 0.0
-            gr = 0.0
-            ga = 0.0
-            for c in range(16):
-                h = hist[c]
-                if h > 0:
-                    ge += h * err2_t[kg, c]
-                    gr += h * ref2[c]
-                    if abserr_t[kg, c] > ga:
-                        ga = abserr_t[kg, c]
-            e2 += ge * unit * unit
-            r2 += gr * unit * unit
-            if ga * unit > mx:
-                mx = ga * unit
-        partial[ci, 0] = e2
-        partial[ci, 1] = r2
-        partial[ci, 2] = mx
-        partial[ci, 3] = nan
-        partial[ci, 4] = bad
+            u = units[s]
+            ref = 0
+            for c in range(1, 8):
+                ref += hs[i, c] * l2sq[c]
+            gr = ref * 0.25
+            ge = low[i] * unit[level] + gr  # error = ranking score + sum h L^2, both exact
+            e2 += ge * u * u
+            r2 += gr * u * u
+            if maxabs[kg] * u > mx:  # only then can the group raise the maximum
+                hn = hs[i, 8]
+                ga = abserr_t[kg, level + 8] if hn > 0 else 0.0
+                for c in range(1, level + 1):
+                    if hs[i, c] - (hn if c == level else 0) > 0:
+                        ga = max(ga, abserr_t[kg, c])
+                mx = max(mx, ga * u)
+    res[0] = e2
+    res[1] = r2
+    res[2] = mx
+    res[3] = nan
+    res[4] = bad
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _run(words, packed, scales, out, out_scale, partial, pairs, init, base, nblk, members, unit, nibs, exp, mant,
+         abserr_t, maxabs, l2sq, units):  # pragma: no cover - compiled
+    n = packed.shape[0]
+    for ci in numba.prange((n + CHUNK - 1) // CHUNK):
+        _chunk(words, packed, scales, out, out_scale, ci * CHUNK, min(n, (ci + 1) * CHUNK), pairs, init, base, nblk,
+               members, unit, nibs, exp, mant, abserr_t, maxabs, l2sq, units, partial[ci])
 
 
 def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | None = None,
@@ -135,20 +343,28 @@ def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | 
             or packed.shape[1] != 16 or scales.shape != packed.shape[:1]:
         raise ValueError(f"expected uint8 packed [G, 16] and scales [G], got {tuple(packed.shape)}, {tuple(scales.shape)}")
     offsets = list(offsets) if offsets is not None else [0, packed.shape[0]]
-    p, s = packed.numpy(), scales.numpy()
+    p, s = np.ascontiguousarray(packed.numpy()), scales.numpy()
     if out is None:
-        out = (torch.empty_like(packed), torch.empty(scales.shape, dtype=torch.bfloat16))
+        out = (torch.empty_like(packed, memory_format=torch.contiguous_format),
+               torch.empty(scales.shape, dtype=torch.bfloat16))
     result_packed, result_scales = out
-    out, out_scale = result_packed.numpy(), result_scales.view(torch.int16).numpy()
+    o = result_packed.numpy()
+    direct = o.flags.c_contiguous  # the byte writes address rows of 16 contiguous bytes
+    if not direct:
+        o = np.empty(o.shape, dtype=np.uint8)
+    out_scale = result_scales.view(torch.int16).numpy()
+    words = p.view(np.uint64)
     stats = np.zeros((len(offsets) - 1, len(STAT_FIELDS)))
     tabs = _packed_tables()
     for ti, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
         if hi == lo:
             continue
         partial = np.zeros(((hi - lo + CHUNK - 1) // CHUNK, len(STAT_FIELDS)))
-        _run(p[lo:hi], s[lo:hi], out[lo:hi], out_scale[lo:hi], partial, *tabs)
+        _run(words[lo:hi], p[lo:hi], s[lo:hi], o[lo:hi], out_scale[lo:hi], partial, *tabs)
         stats[ti] = partial.sum(0)
         stats[ti, 2] = partial[:, 2].max()
+    if not direct:
+        result_packed.copy_(torch.from_numpy(o))
     return Result(result_packed, result_scales, torch.from_numpy(stats))
 
 
