@@ -99,7 +99,8 @@ def main() -> int:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--new", default=None, help="the checkout to measure [default: this script's]")
     ap.add_argument("--old", default=None, help="an older checkout (holding converter/) to measure too")
-    ap.add_argument("--cpu-workers", type=int, default=0, help="also run --devices cpu with this many workers")
+    ap.add_argument("--cpu-workers", default="", help="also run --devices cpu with these many workers, e.g. 8,16")
+    ap.add_argument("--aligned", action="store_true", help="modules kept in one shard (as with --old)")
     ap.add_argument("--runs", default="1gpu,allgpu", help="comma list of 1gpu, allgpu")
     ap.add_argument("--straddled", action="store_true", help="also convert a size-sharded copy (1 GPU, new code)")
     ap.add_argument("--io-threads", default="", help="also 1 GPU with these K3CONVERT_IO_THREADS, e.g. '2,3;4,6'")
@@ -125,7 +126,7 @@ def main() -> int:
                cwd=here)
 
     # an older version cannot read modules split across shards: compare them on module-aligned shards
-    aligned = ["--keep-modules"] if args.old else []
+    aligned = ["--keep-modules"] if args.old or args.aligned else []
     t0 = time.perf_counter()
     build(src, "--layers", str(layers), "--experts", str(experts), "--shards", str(args.shards), *aligned)
     res["build_s"] = time.perf_counter() - t0
@@ -151,14 +152,14 @@ def main() -> int:
         plans.append(("1gpu", "cuda:0", 1))
     if "allgpu" in args.runs and gpus > 1:
         plans.append((f"{gpus}gpu", ",".join(f"cuda:{i}" for i in range(gpus)), 1))
-    if args.cpu_workers:
-        plans.append((f"cpu{args.cpu_workers}", "cpu", args.cpu_workers))
+    for n in filter(None, args.cpu_workers.split(",")):
+        plans.append((f"cpu{n}", "cpu", int(n)))
     codes = [("new", here)] + ([("old", os.path.abspath(args.old))] if args.old else [])
     out = os.path.join(root, "out")
     reference = None
     runs = [(f"{v}_{label}", code, src, devices, workers, None, ())
             for label, devices, workers in plans for v, code in codes]
-    if gpus:  # the new default is two workers per GPU: one GPU worker alone, for the goal that names it
+    if gpus and "1gpu" in args.runs:  # the default is two workers per GPU: one worker alone, for the goal
         runs.append(("new_1gpu_1worker", here, src, "cuda:0", 1, None, ("--workers-per-gpu", "1")))
     for io in filter(None, args.io_threads.split(";")):  # K3CONVERT_IO_THREADS variants, 1 GPU, new code
         runs.append((f"new_1gpu_io{io.replace(',', '_')}", here, src, "cuda:0", 1, io, ()))

@@ -1,6 +1,8 @@
 """The requantizer is exactly error-optimal: checked against brute force over every bf16 scale."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -130,6 +132,41 @@ def test_numba_kernel_gives_the_reference_bytes():
     assert torch.equal(fast.packed, ref.packed)
     assert torch.equal(fast.scales.view(torch.int16), ref.scales.view(torch.int16))
     torch.testing.assert_close(fast.stats, ref.stats, rtol=1e-12, atol=0)
+
+
+_SAME_BYTES_CHILD = """
+import sys, numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from test_requant_optimal import adversarial_groups, random_groups
+from converter.quant import cpu_kernel
+from converter.quant.requant import requantize
+rng = np.random.default_rng(7)
+packed, scales = random_groups(rng, 5000)
+adv_p, adv_s = adversarial_groups(rng)
+packed, scales = torch.cat([adv_p, packed]), torch.cat([adv_s, scales])
+ref, fast = requantize(packed, scales, [0, 15, packed.shape[0]]), cpu_kernel.requantize(packed, scales, [0, 15, packed.shape[0]])
+assert torch.equal(fast.packed, ref.packed), "bytes differ"
+assert torch.equal(fast.scales.view(torch.int16), ref.scales.view(torch.int16)), "scales differ"
+torch.testing.assert_close(fast.stats, ref.stats, rtol=1e-12, atol=0)
+print("same bytes")
+"""
+
+
+def test_numba_kernel_same_bytes_on_a_plain_x86_64_build(tmp_path):
+    """The kernel's SSE2 path (a CPU without AVX2, as numba compiles for a generic x86-64) gives the
+    reference's bytes too; the host's own path is the test above."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the SSE2 path is x86's")
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CPU_FEATURES": "+64bit,+sse,+sse2,+cmov,+cx8,+fxsr,+mmx",
+           "NUMBA_CACHE_DIR": str(tmp_path)}
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _SAME_BYTES_CHILD, here], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "same bytes" in r.stdout, r.stderr[-3000:]
 
 
 def test_candidate_table_is_what_the_lps_derive():

@@ -12,7 +12,7 @@ Exact, so threads and vector widths cannot change a byte (docs/maths.md):
   ``32 * max|F| < 2**27``. Below the class's top magnitude +L and -L score alike (the int4
   clamp is asymmetric only at the top; asserted below), so a group's score is
   ``sum_mag h_mag F[mag] + h_top- (F[top-] - F[top])`` with h_mag counting both signs.
-* The vector lanes carry keys ``8 * score + b``, b < 7 the candidate's block: below ``2**30``
+* The vector lanes carry keys ``8 * score + b``, b < 8 the candidate's block: below ``2**30``
   in magnitude, padding slots hold ``2**30`` and never win. int32 sums wrap modulo 2**32 and
   every key's true value fits, so any summation order gives it exactly.
 * Products come from PMADDWD (signed 16-bit pairs multiply-added into int32): ``8 F = 1023 hi
@@ -62,18 +62,19 @@ def _packed_tables() -> tuple[np.ndarray, ...]:
     nblk = np.zeros(8, dtype=np.int64)       # blocks of the level
     width = -(-max(len(ix) for ix in t.members.values()) // LANES) * LANES
     members = np.zeros((8, width), dtype=np.int64)
-    unit = np.zeros(8)                       # a score integer's value in the class
+    score_unit = np.zeros(8)                 # a score integer's value in the class
     pairs, inits = [], []
     for lv in range(1, 8):
         ix = t.members[lv]
         score = class_int_scores(t.score[:, ix], lv).astype(np.int64)
         big = np.unravel_index(np.argmax(np.abs(score)), score.shape)
-        unit[lv] = t.score[:, ix][big] / score[big]
-        assert np.array_equal(score * unit[lv], np.where(((np.arange(16) & 7) <= lv)[:, None], t.score[:, ix], 0))
+        score_unit[lv] = t.score[:, ix][big] / score[big]
+        assert np.array_equal(score * score_unit[lv], np.where(((np.arange(16) & 7) <= lv)[:, None], t.score[:, ix], 0))
         assert 32 * np.abs(score).max() < 1 << 27
         below = np.arange(1, lv)
         assert np.array_equal(t.q[below][:, ix], -t.q[below + 8][:, ix]), "only the top magnitude is asymmetric"
         nb = -(-len(ix) // LANES)
+        assert nb <= 8, "the block number must fit a key's low 3 bits"
         rows = np.zeros((TERMS, LANES * nb), dtype=np.int64)
         rows[:7, :len(ix)] = 8 * score[1:8]
         rows[7, :len(ix)] = 8 * (score[lv + 8] - score[lv])
@@ -90,7 +91,7 @@ def _packed_tables() -> tuple[np.ndarray, ...]:
         members[lv, :len(ix)] = ix
     nib = (t.q.T.astype(np.int16) + 8).astype(np.uint8)  # [K, 16]: q + 8 for each code
     nibs = np.ascontiguousarray(np.concatenate([nib, nib << 4], axis=1))
-    return (np.concatenate(pairs), np.concatenate(inits), base, nblk, members, unit, nibs, t.exp, t.mant,
+    return (np.concatenate(pairs), np.concatenate(inits), base, nblk, members, score_unit, nibs, t.exp, t.mant,
             np.ascontiguousarray(t.abserr.T), t.abserr.max(axis=0), ((2 * E2M1_VALUES[:8]) ** 2).astype(np.int32),
             np.ldexp(1.0, np.arange(256) - 127))
 
@@ -99,58 +100,75 @@ def _function(builder, name, ret, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
 
 
+def _const(value: int) -> ir.Constant:
+    return ir.Constant(_I64, value)
+
+
+def _vector_at(context, builder, aryty, ary, offset, vty):
+    """Pointer to a ``vty`` at element ``offset`` (an i64 value) of a C-contiguous array."""
+    data = context.make_array(aryty)(context, builder, ary).data
+    return builder.bitcast(builder.gep(data, [offset]), vty.as_pointer())
+
+
 def _splat(builder, value, vty):
     v = builder.insert_element(ir.Constant(vty, None), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, None), ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+    return _pick(builder, v, [0] * vty.count)
+
+
+def _pick(builder, v, indices):
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, len(indices)), list(indices)))
 
 
 def _pmaddwd(builder, features, a, b):
-    """``<32 x i16>`` a, b -> ``<16 x i32>`` a[2i] b[2i] + a[2i+1] b[2i+1]: PMADDWD on x86 (AVX2;
-    LLVM fuses halves into AVX-512 where it can), portable IR elsewhere."""
-    if "+avx2" in features:
-        half = ir.VectorType(_I16, LANES)
-        fn = _function(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_I32, LANES // 2), [half, half])
-        lo, hi = (ir.Constant(ir.VectorType(_I32, LANES), list(range(s, s + LANES))) for s in (0, LANES))
-        r0 = builder.call(fn, [builder.shuffle_vector(a, a, lo), builder.shuffle_vector(b, b, lo)])
-        r1 = builder.call(fn, [builder.shuffle_vector(a, a, hi), builder.shuffle_vector(b, b, hi)])
-        return builder.shuffle_vector(r0, r1, ir.Constant(ir.VectorType(_I32, LANES), list(range(LANES))))
+    """``<32 x i16>`` a, b -> ``<16 x i32>`` a[2i] b[2i] + a[2i+1] b[2i+1]: x86's PMADDWD, on AVX2
+    halves (LLVM joins them into AVX-512 where it can) or SSE2 quarters; portable IR elsewhere."""
+    for isa, width in (("avx2", 16), ("sse2", 8)):
+        if f"+{isa}" in features:
+            part = ir.VectorType(_I16, width)
+            fn = _function(builder, f"llvm.x86.{isa}.pmadd.wd", ir.VectorType(_I32, width // 2), [part, part])
+            res = [builder.call(fn, [_pick(builder, a, range(s, s + width)), _pick(builder, b, range(s, s + width))])
+                   for s in range(0, 2 * LANES, width)]
+            while len(res) > 1:  # concatenate pairwise
+                n = res[0].type.count
+                res = [builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+                       for x, y in zip(res[0::2], res[1::2])]
+            return res[0]
     prods = []
     for start in (0, 1):
-        pick = ir.Constant(ir.VectorType(_I32, LANES), list(range(start, 2 * LANES, 2)))
-        prods.append(builder.mul(builder.sext(builder.shuffle_vector(a, a, pick), _KEYS),
-                                 builder.sext(builder.shuffle_vector(b, b, pick), _KEYS)))
+        pick = range(start, 2 * LANES, 2)
+        prods.append(builder.mul(builder.sext(_pick(builder, a, pick), _KEYS),
+                                 builder.sext(_pick(builder, b, pick), _KEYS)))
     return builder.add(*prods)
 
 
 @intrinsic
-def _best(typingctx, pairs, init, first, nb, mult):  # pragma: no cover - compiled
+def _best(typingctx, pairs, init, first, nb, counts):  # pragma: no cover - compiled
     """The class's first best candidate for one group: ``(score << 8) | priority index``.
 
-    ``mult``: per term ``h | (SPLIT * h) << 16``; blocks ``first .. first + nb - 1``.
+    ``counts``: the TERMS counts h (module docstring); blocks ``first .. first + nb - 1``.
     """
-    sig = types.int64(pairs, init, types.int64, types.int64, mult)
+    sig = types.int64(pairs, init, types.int64, types.int64, counts)
 
     def codegen(context, builder, signature, args):
         features = getattr(context.codegen(), "_tm_features", "")
-        pairs_v, init_v, first_v, nb_v, mult_v = args
-        pdata = context.make_array(signature.args[0])(context, builder, pairs_v).data
-        idata = context.make_array(signature.args[1])(context, builder, init_v).data
-        hv = []
+        pairs_v, init_v, first_v, nb_v, counts_v = args
+        mult = []  # per term, (h, SPLIT * h) in every lane's two int16
         for t in range(TERMS):
-            m = builder.extract_value(mult_v, t)
-            m = builder.trunc(m, _I32) if m.type.width > 32 else m
-            hv.append(builder.bitcast(_splat(builder, m, _KEYS), _PAIRS))
+            h = builder.extract_value(counts_v, t)
+            h = builder.trunc(h, _I32) if h.type.width > 32 else h
+            m = builder.or_(h, builder.shl(builder.mul(h, ir.Constant(_I32, SPLIT)), ir.Constant(_I32, 16)))
+            mult.append(builder.bitcast(_splat(builder, m, _KEYS), _PAIRS))
         best = cgutils.alloca_once_value(builder, ir.Constant(_KEYS, [0x7FFFFFFF] * LANES))
         smin = _function(builder, "llvm.smin.v16i32", _KEYS, [_KEYS, _KEYS])
         with cgutils.for_range(builder, nb_v) as loop:
             blk = builder.add(first_v, loop.index)
-            iptr = builder.gep(idata, [builder.mul(blk, ir.Constant(_I64, LANES))])
-            key = builder.load(builder.bitcast(iptr, _KEYS.as_pointer()), align=4)
-            row = builder.mul(blk, ir.Constant(_I64, TERMS * 2 * LANES))
+            key = builder.load(_vector_at(context, builder, signature.args[1], init_v,
+                                          builder.mul(blk, _const(LANES)), _KEYS), align=4)
+            row = builder.mul(blk, _const(TERMS * 2 * LANES))
             for t in range(TERMS):
-                tptr = builder.gep(pdata, [builder.add(row, ir.Constant(_I64, t * 2 * LANES))])
-                w = builder.load(builder.bitcast(tptr, _PAIRS.as_pointer()), align=2)
-                key = builder.add(key, _pmaddwd(builder, features, w, hv[t]))
+                w = builder.load(_vector_at(context, builder, signature.args[0], pairs_v,
+                                            builder.add(row, _const(t * 2 * LANES)), _PAIRS), align=2)
+                key = builder.add(key, _pmaddwd(builder, features, w, mult[t]))
             builder.store(builder.call(smin, [builder.load(best), key]), best)
         keys = builder.load(best)
         score = builder.ashr(keys, ir.Constant(_KEYS, [3] * LANES))
@@ -173,28 +191,24 @@ def _write_bytes(typingctx, packed, out, g, nibs, k):  # pragma: no cover - comp
 
     def codegen(context, builder, signature, args):
         features = getattr(context.codegen(), "_tm_features", "")
-        p_v, o_v, g_v, n_v, k_v = args
-        ptr = [context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 1, 3)]
-        vec = [builder.bitcast(builder.gep(ptr[i], [off]), _BYTES.as_pointer()) for i, off in
-               ((0, builder.mul(g_v, ir.Constant(_I64, 16))), (1, builder.mul(g_v, ir.Constant(_I64, 16))),
-                (2, builder.mul(k_v, ir.Constant(_I64, 32))), (2, builder.add(builder.mul(k_v, ir.Constant(_I64, 32)),
-                                                                             ir.Constant(_I64, 16))))]
-        src = builder.load(vec[0], align=1)
-        low, high = builder.load(vec[2], align=1), builder.load(vec[3], align=1)
+        packed_v, out_v, g_v, nibs_v, k_v = args
+        row = builder.mul(g_v, _const(16))
+        src = builder.load(_vector_at(context, builder, signature.args[0], packed_v, row, _BYTES), align=1)
+        tabs = [builder.load(_vector_at(context, builder, signature.args[3], nibs_v,
+                                        builder.add(builder.mul(k_v, _const(32)), _const(half)), _BYTES), align=1)
+                for half in (0, 16)]
         fifteen = ir.Constant(_BYTES, [15] * 16)
-        lo = builder.and_(src, fifteen)
-        hi = builder.and_(builder.lshr(src, ir.Constant(_BYTES, [4] * 16)), fifteen)
+        codes = [builder.and_(src, fifteen), builder.and_(builder.lshr(src, ir.Constant(_BYTES, [4] * 16)), fifteen)]
         if "+ssse3" in features:
             fn = _function(builder, "llvm.x86.ssse3.pshuf.b.128", _BYTES, [_BYTES, _BYTES])
-            res = builder.or_(builder.call(fn, [low, lo]), builder.call(fn, [high, hi]))
+            res = builder.or_(builder.call(fn, [tabs[0], codes[0]]), builder.call(fn, [tabs[1], codes[1]]))
         else:
             res = ir.Constant(_BYTES, None)
             for i in range(16):
                 at = ir.Constant(_I32, i)
-                b = builder.or_(builder.extract_element(low, builder.extract_element(lo, at)),
-                                builder.extract_element(high, builder.extract_element(hi, at)))
-                res = builder.insert_element(res, b, at)
-        builder.store(res, vec[1], align=1)
+                lo, hi = (builder.extract_element(tab, builder.extract_element(c, at)) for tab, c in zip(tabs, codes))
+                res = builder.insert_element(res, builder.or_(lo, hi), at)
+        builder.store(res, _vector_at(context, builder, signature.args[1], out_v, row, _BYTES), align=1)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -245,13 +259,8 @@ def _counts(x, y):  # pragma: no cover - compiled
     return h1, h2, h3, h4, h5, h6, h7, _popcount(top & p3), level
 
 
-@numba.njit(inline="always")
-def _mult(h):  # pragma: no cover - compiled
-    return h | (SPLIT * h) << 16
-
-
 @numba.njit(cache=True, nogil=True)
-def _chunk(words, packed, scales, out, out_scale, lo, hi, pairs, init, base, nblk, members, unit, nibs, exp, mant,
+def _chunk(words, packed, scales, out, out_scale, lo, hi, pairs, init, base, nblk, members, score_unit, nibs, exp, mant,
            abserr_t, maxabs, l2sq, units, res):  # pragma: no cover - compiled
     """Groups lo..hi-1: bytes, scales, and the statistics into res."""
     e2 = 0.0
@@ -261,7 +270,7 @@ def _chunk(words, packed, scales, out, out_scale, lo, hi, pairs, init, base, nbl
     bad = 0
     best = np.empty(SUB, dtype=np.int64)
     low = np.empty(SUB, dtype=np.int64)
-    hs = np.empty((SUB, 10), dtype=np.int64)  # level, h1..h7, h_top-
+    hs = np.empty((SUB, 9), dtype=np.int64)  # level, h1..h7, h_top-
     for run in range(lo, hi, SUB):
         end = min(hi, run + SUB)
         for g in range(run, end):
@@ -270,8 +279,7 @@ def _chunk(words, packed, scales, out, out_scale, lo, hi, pairs, init, base, nbl
             best[i] = 0
             low[i] = 0
             if level > 0:
-                key = _best(pairs, init, base[level], nblk[level], (_mult(h1), _mult(h2), _mult(h3), _mult(h4),
-                                                                     _mult(h5), _mult(h6), _mult(h7), _mult(hn)))
+                key = _best(pairs, init, base[level], nblk[level], (h1, h2, h3, h4, h5, h6, h7, hn))
                 low[i] = key >> 8
                 best[i] = members[level, key & 255]
             hs[i, 0] = level
@@ -307,7 +315,7 @@ def _chunk(words, packed, scales, out, out_scale, lo, hi, pairs, init, base, nbl
             for c in range(1, 8):
                 ref += hs[i, c] * l2sq[c]
             gr = ref * 0.25
-            ge = low[i] * unit[level] + gr  # error = ranking score + sum h L^2, both exact
+            ge = low[i] * score_unit[level] + gr  # error = ranking score + sum h L^2, both exact
             e2 += ge * u * u
             r2 += gr * u * u
             if maxabs[kg] * u > mx:  # only then can the group raise the maximum
@@ -325,12 +333,12 @@ def _chunk(words, packed, scales, out, out_scale, lo, hi, pairs, init, base, nbl
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _run(words, packed, scales, out, out_scale, partial, pairs, init, base, nblk, members, unit, nibs, exp, mant,
+def _run(words, packed, scales, out, out_scale, partial, pairs, init, base, nblk, members, score_unit, nibs, exp, mant,
          abserr_t, maxabs, l2sq, units):  # pragma: no cover - compiled
     n = packed.shape[0]
     for ci in numba.prange((n + CHUNK - 1) // CHUNK):
         _chunk(words, packed, scales, out, out_scale, ci * CHUNK, min(n, (ci + 1) * CHUNK), pairs, init, base, nblk,
-               members, unit, nibs, exp, mant, abserr_t, maxabs, l2sq, units, partial[ci])
+               members, score_unit, nibs, exp, mant, abserr_t, maxabs, l2sq, units, partial[ci])
 
 
 def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | None = None,
