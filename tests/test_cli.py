@@ -105,3 +105,55 @@ def test_demo_dir(tmp_path):
     assert r.exit_code == 0, r.output
     assert {s: sha256(src / s) for s in shard_names(src)} == before
     assert read_json(dst / MANIFEST)["complete"] is True
+
+
+def test_the_coordinating_process_does_not_import_torch():
+    """Workers import torch (seconds) while the parent plans: the parent's modules must not."""
+    import subprocess
+    import sys
+
+    code = "import sys, converter.cli, converter.pipeline, converter.plan; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "False", r.stderr
+
+
+def test_devices_cpu_never_uses_a_gpu_and_gpus_get_two_workers(monkeypatch):
+    from converter import pipeline
+    from converter.errors import BadInput
+    from converter.pipeline import Options, resolve_devices
+
+    monkeypatch.setattr(pipeline, "gpu_count", lambda: 2)
+    assert resolve_devices(Options(devices=["cpu"], workers=3)) == ["cpu"] * 3  # once ran on the GPUs
+    assert resolve_devices(Options()) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+    assert resolve_devices(Options(devices=["cuda:1"], workers_per_gpu=1)) == ["cuda:1"]
+    monkeypatch.setattr(pipeline, "gpu_count", lambda: 0)
+    assert resolve_devices(Options(workers=2)) == ["cpu", "cpu"]
+    for bad in (["gpu0"], ["cpu", "cuda:0"]):
+        try:
+            resolve_devices(Options(devices=bad))
+        except BadInput as e:
+            assert "--devices" in str(e)
+        else:
+            raise AssertionError(f"{bad} accepted")
+
+
+def test_job_file_options_relative_paths_and_command_line_wins(fixture_src, tmp_path):
+    """--config: keys are the long options (and src), paths are relative to the file, the command
+    line overrides it, and an unknown key is refused naming the file."""
+    import shutil
+
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    shutil.copytree(fixture_src, tmp_path / "src")
+    job = jobs / "job.toml"
+    job.write_text('src = "../src"\noutput = "../out"\ndevices = ["cpu"]\nmax-rel-rmse = 0.0001\n'
+                   'progress = "none"\n')
+    r = run_cli("mxfp4-to-int4", "--config", job)  # the file's tiny threshold fails the run, in ../out
+    assert r.exit_code == 3, r.output
+    assert os.path.isdir(tmp_path / "out")
+    r = run_cli("mxfp4-to-int4", "--config", job, "--max-rel-rmse", "0.2")  # the command line wins
+    assert r.exit_code == 0, r.output
+    assert read_json(tmp_path / "out" / MANIFEST)["complete"] is True
+    job.write_text('src = "../src"\nmax_rel_rmse = 0.2\nworkerz = 2\n')
+    r = run_cli("mxfp4-to-int4", "--config", job)
+    assert r.exit_code == 2 and str(job) in r.output and "workerz" in r.output

@@ -209,12 +209,19 @@ def _ct_problems(block: dict, where: str, drop: bool, dropped: list[dict]) -> li
             out.append(f"{at}.weights is not plain MXFP4 ({json.dumps(w, sort_keys=True)})")
         for kind in ("input_activations", "output_activations"):
             if g.get(kind):
-                if drop:
-                    dropped.append({"where": f"{at}.{kind}", "what": g[kind]})
-                else:
-                    out.append(f"{at}.{kind} quantizes {kind.replace('_', ' ')} ({_describe(g[kind])}); "
-                               f"k3convert writes weight-only int4 (W4A16): pass {DROP_FLAG} to convert anyway")
+                drop_or_refuse(f"{at}.{kind}", g[kind], f"{kind.replace('_', ' ')} ({_describe(g[kind])})",
+                               drop, dropped, out)
     return out
+
+
+def drop_or_refuse(where: str, spec: Any, what: str, drop: bool, dropped: list[dict], problems: list[str]) -> None:
+    """Quantization a weight-only int4 output cannot carry: recorded verbatim when the user
+    asked to drop it, else a problem that says how to."""
+    if drop:
+        dropped.append({"where": where, "what": spec})
+    else:
+        problems.append(f"{where} quantizes {what}; k3convert writes weight-only int4 (W4A16): "
+                        f"pass {DROP_FLAG} to convert anyway")
 
 
 def _describe(args: dict) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadInput
-from .checkpoint import DROP_FLAG, MXFP4Source, dotted, int4_block, quant_blocks
+from .checkpoint import MXFP4Source, dotted, drop_or_refuse, int4_block, quant_blocks
 
 # per-module tensors that serve only activation / KV-cache quantization
 ACTIVATION_TENSORS = (".input_scale", ".output_scale", ".input_zero_point", ".output_zero_point")
@@ -105,12 +105,8 @@ def _spec(spec: Any) -> str:
 
 
 def _drop_or_refuse(where: str, spec: Any, drop: bool, dropped: list[dict], problems: list[str]) -> None:
-    if drop:
-        dropped.append({"where": where, "what": spec})
-    else:
-        what = _spec(spec) if isinstance(spec, (dict, list)) else str(spec)
-        problems.append(f"{where} quantizes activations or the KV cache ({what}); k3convert writes weight-only "
-                        f"int4 (W4A16): pass {DROP_FLAG} to convert anyway")
+    what = _spec(spec) if isinstance(spec, (dict, list)) else str(spec)
+    drop_or_refuse(where, spec, f"activations or the KV cache ({what})", drop, dropped, problems)
 
 
 def quark_source(config: dict, config_path: str, drop: bool = False) -> QuarkSource:
