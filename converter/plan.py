@@ -111,10 +111,16 @@ class ShardPlan:
         return self.layout.file_size
 
     @property
+    def sources(self) -> list[str]:
+        """Every source file it reads: its own shard first, then the others that hold a scale
+        of one of its modules (split pairs), by name."""
+        others = {c.scale.path for c in self.converts} - {self.path}
+        return [self.path] + sorted(others, key=os.path.basename)
+
+    @property
     def partners(self) -> list[str]:
-        """Other source shards it reads a module's tensor from (straddled pairs)."""
-        paths = {c.scale.path for c in self.converts} | {c.packed.path for c in self.converts}
-        return sorted(os.path.basename(p) for p in paths if p != self.path)
+        """The names of the other source shards it reads (split pairs)."""
+        return [os.path.basename(p) for p in self.sources[1:]]
 
 
 @dataclass
@@ -204,9 +210,11 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
         converts[module] = Convert(module, t, scale, rows, cols)
     suffix = "." + source.scale_suffix
     for name, t in tensors.items():  # a scale whose packed tensor is nowhere would pass through as data
+        if not name.endswith(suffix) or t.dtype != "U8":
+            continue
         module = name[: -len(suffix)]
-        if name.endswith(suffix) and t.dtype == "U8" and module not in converts and source.selects(module) \
-                and f"{module}.{source.packed_suffix}" not in unread | tensors.keys():
+        packed = f"{module}.{source.packed_suffix}"
+        if module not in converts and packed not in tensors and packed not in unread and source.selects(module):
             problems.append(f"file {t.path}, tensor {name}: no {source.packed_suffix} for it in any shard")
     return converts
 

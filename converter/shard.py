@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,8 +49,16 @@ class Stages(dict):
     compute thread's stalls, so the stage it waits on most is the one that limits the run.
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()  # several reader and writer threads add to one entry
+
     def time(self, name: str) -> "_Timer":
         return _Timer(self, name)
+
+    def add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self[name] = self.get(name, 0.0) + seconds
 
 
 class _Timer:
@@ -62,7 +71,7 @@ class _Timer:
         self.t0 = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
-        self.stages[self.name] = self.stages.get(self.name, 0.0) + time.perf_counter() - self.t0
+        self.stages.add(self.name, time.perf_counter() - self.t0)
 
 
 @dataclass
@@ -259,7 +268,7 @@ class ShardConverter:
         fds: dict[str, int] = {}
         writer = ShardWriter(os.path.join(dst_dir, sp.name), sp.layout)
         try:  # from here on anything (Ctrl-C too) drops the .partial
-            for p in [sp.path] + [os.path.join(os.path.dirname(sp.path), n) for n in sp.partners]:
+            for p in sp.sources:
                 fds[p] = os.open(p, os.O_RDONLY)
                 os.posix_fadvise(fds[p], 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead
             progress(sp.header_bytes)  # progress counts source bytes read: the header, then tensors

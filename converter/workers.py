@@ -115,7 +115,7 @@ def _run(convs: _Converters, task: Task, put: Callable[[tuple[str, dict]], None]
                        "message": f"file {e.filename or os.path.join(task.dst, name)}: {e.strerror}"}))
         return False
     put(("done", {"shard": name, "digest": res.digest, "bytes": res.bytes_out, "seconds": res.seconds,
-                  "stages": res.stages, "sources": [os.path.basename(task.shard.path)] + task.shard.partners,
+                  "stages": res.stages, "sources": [os.path.basename(p) for p in task.shard.sources],
                   "figures": [f.row() for f in res.figures]}))
     return True
 

@@ -6,6 +6,7 @@ any size is produced with memory bounded by one batch of tensors.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -302,8 +303,8 @@ _IOV_MAX = 1024         # buffers per pwritev call (Linux's IOV_MAX)
 class ShardWriter:
     """Writes a Layout's tensors to ``<path>.partial`` at their fixed offsets, then fsyncs and renames.
 
-    The header fixes every tensor's place, so pieces may arrive in any order, from any number
-    of threads (parallel writes are what keep up with the GPU). The writer counts each
+    The header fixes every tensor's place, so pieces may arrive in any order and from any
+    thread (one file still takes one write at a time: a batch goes in one call). The writer counts each
     tensor's bytes, so the file is complete exactly when ``close`` renames it; chunks are
     hashed as they complete (converter.digest). The ``.partial`` is never opened through a
     symlink.
@@ -333,12 +334,22 @@ class ShardWriter:
             raise
 
     def _pwrite(self, data, offset: int) -> None:
-        view = memoryview(data).cast("B")
-        size, pos = view.nbytes, offset
-        while view:
-            n = os.pwrite(self._fd, view, pos)
-            view, pos = view[n:], pos + n
-        self._account(offset, size)
+        self._pwritev([memoryview(data).cast("B")], offset)
+
+    def _pwritev(self, views: list[memoryview], offset: int) -> None:
+        """Write the buffers back to back from ``offset``, as few calls as the kernel allows."""
+        pos, i = offset, 0
+        while i < len(views):
+            n = written = os.pwritev(self._fd, views[i:i + _IOV_MAX], pos)
+            pos += n
+            while i < len(views) and n >= views[i].nbytes:  # fully written buffers
+                n -= views[i].nbytes
+                i += 1
+            if n:  # a short write stopped inside this one
+                views[i] = views[i][n:]
+            elif not written and i < len(views):
+                raise OSError(errno.EIO, "the write made no progress", self.tmp)
+        self._account(offset, pos - offset)
 
     def _account(self, offset: int, size: int) -> None:
         """Bytes on their way to the disk: hash the chunks they complete, flush every so often."""
@@ -371,23 +382,7 @@ class ShardWriter:
                     raise RuntimeError(f"{self.path}: {name} is not the next whole tensor of the run")
                 self._left[name] = 0
                 at += v.nbytes
-        start = pos = self._at[pieces[0][0]]
-        for i in range(0, len(views), _IOV_MAX):
-            batch = views[i:i + _IOV_MAX]
-            n = os.pwritev(self._fd, batch, pos)
-            pos += n
-            if n < sum(v.nbytes for v in batch):  # short write (rare): finish piece by piece
-                done = n
-                for v in batch:
-                    if done >= v.nbytes:
-                        done -= v.nbytes
-                        continue
-                    rest = v[done:]
-                    while rest:
-                        k = os.pwrite(self._fd, rest, pos)
-                        rest, pos = rest[k:], pos + k
-                    done = 0
-        self._account(start, pos - start)
+        self._pwritev(views, self._at[pieces[0][0]])
 
     def close(self) -> str:
         """Finish: all tensors written, fsync, atomic rename. Returns the file's digest."""
