@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -12,14 +13,56 @@ import click
 from . import __version__, jobfile
 from .errors import ConvertError
 from .manifest import REPORT
+from .quant.rules import RULES as SCALE_RULES
 from .serving import SERVERS
+
+
+ETA_AFTER_S = 2.0  # seconds of data flowing before a rate, and so an ETA, is shown
+
+
+def human_bytes(n: float) -> str:
+    """Decimal units, three significant digits: 5.24 MB, 12.7 GB, 1.45 TB."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        r = float(f"{n:.3g}")
+        if abs(r) < 1000 or unit == "TB":
+            break
+        n /= 1000
+    digits = 0 if r == 0 or unit == "B" else max(0, 2 - math.floor(math.log10(abs(r))))
+    return f"{r:.{digits}f} {unit}"
+
+
+def human_seconds(s: float) -> str:
+    if s < 59.5:
+        return f"{s:.3g} s" if s < 10 else f"{s:.1f} s"
+    m, sec = divmod(round(s), 60)
+    return f"{m} min {sec:02d} s" if m < 60 else f"{m // 60} h {m % 60:02d} min"
+
+
+def rate_line(nbytes: int, seconds: float) -> str:
+    """What the run converted, over its wall time: '5.24 MB in 0.41 s, 12.8 MB/s'."""
+    if nbytes <= 0:
+        return f"nothing left to convert ({human_seconds(seconds)})"
+    rate = f", {human_bytes(nbytes / seconds)}/s" if seconds > 0 else ""
+    return f"{human_bytes(nbytes)} in {human_seconds(seconds)}{rate}"
+
+
+def eta(done: int, total: int, seconds: float) -> str | None:
+    """'rate, time left' from the bytes done in the ``seconds`` since data began to flow; None
+    until ETA_AFTER_S of it (before that, a rate is mostly the start-up's noise)."""
+    if seconds < ETA_AFTER_S or done <= 0:
+        return None
+    rate = done / seconds
+    return f"{human_bytes(rate)}/s, {human_seconds(max(0, total - done) / rate)} left"
 
 
 class _Progress:
     """Turns pipeline events into a tqdm bar (bytes, GB/s, ETA) or JSON lines."""
 
+    BAR = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+
     def __init__(self, mode: str):
         self.mode, self.bar, self.done, self.total = mode, None, 0, 0
+        self.first: tuple[float, int] | None = None  # (time, bytes) of the first bytes event
 
     def __call__(self, kind: str, f: dict) -> None:
         if self.mode == "json":
@@ -27,14 +70,22 @@ class _Progress:
             return
         if self.mode == "none":
             return
-        if kind == "plan":
+        if kind == "plan" and not f["todo"]:
+            click.echo(f"nothing to convert: all {f['shards']} shard(s) done", err=True)
+        elif kind == "plan":
             from tqdm import tqdm
             self.total = f["todo"]
             self.bar = tqdm(total=f["bytes_in"], unit="B", unit_scale=True, unit_divisor=1000,
-                            desc=f"shards 0/{self.total}", dynamic_ncols=True, file=sys.stderr)
-            click.echo(f"converting {f['todo']} of {f['shards']} shards on {', '.join(sorted(set(f['devices'])))}"
-                       f" ({len(f['devices'])} worker(s))", err=True)
+                            desc=f"shards 0/{self.total}", dynamic_ncols=True, file=sys.stderr,
+                            bar_format=self.BAR, postfix="starting")
+            how = f.get("workers") or f"{', '.join(sorted(set(f['devices'])))} ({len(f['devices'])} worker(s))"
+            click.echo(f"converting {f['todo']} of {f['shards']} shards; {how}", err=True)
         elif kind == "bytes" and self.bar:
+            now = time.monotonic()
+            if self.first is None:
+                self.first = (now, self.bar.n + f["n"])  # the first bytes arrive at once: not a rate
+            t0, n0 = self.first
+            self.bar.set_postfix_str(eta(self.bar.n + f["n"] - n0, self.bar.total - n0, now - t0) or "", refresh=False)
             self.bar.update(f["n"])
         elif kind == "done" and self.bar:
             self.done += 1
@@ -43,6 +94,23 @@ class _Progress:
     def close(self) -> None:
         if self.bar:
             self.bar.close()
+
+
+class _WorkerCount(click.ParamType):
+    """``--workers``: a positive number, or ``auto`` (None: chosen from the machine)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto":
+            return None
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            n = 0
+        if n < 1:
+            self.fail(f"{value!r} is not a positive number or auto", param, ctx)
+        return n
 
 
 def _fail(e: ConvertError) -> None:
@@ -63,7 +131,10 @@ def main() -> None:
 @click.option("--max-rel-rmse", type=float, default=0.15, show_default=True,
               help="Fail (exit 3) if any tensor's relative RMSE vs the MXFP4 weights exceeds this.")
 @click.option("--devices", default=None, help="Comma list like cuda:0,cuda:1 or cpu [default: every GPU, else CPU].")
-@click.option("--workers", type=int, default=1, show_default=True, help="CPU worker processes (no GPU).")
+@click.option("--workers", type=_WorkerCount(), default="auto", show_default=True, envvar="K3CONVERT_WORKERS",
+              help="CPU worker processes (no GPU): a number, or auto: one per 2 cores, as many as fit in "
+                   "half the free memory and no more than there are shards (--dry-run shows the choice); "
+                   "K3CONVERT_WORKERS sets the default.")
 @click.option("--workers-per-gpu", type=click.IntRange(min=1), default=2, show_default=True,
               help="Worker processes per GPU: each converts one shard at a time, so two keep a GPU's "
                    "storage busy while one of them computes.")
@@ -77,23 +148,26 @@ def main() -> None:
 @click.option("--drop-activation-quant", is_flag=True,
               help="Convert a source that also quantizes activations (or KV cache) to weight-only int4; "
                    "what is dropped is recorded in the manifest and report.")
+@click.option("--scale-rule", type=click.Choice(list(SCALE_RULES)), default="optimal", show_default=True,
+              help="optimal: the exact least-squares int4 per group; vllm-gfx942: bit-identical to what vLLM 0.33 "
+                   "computes at load time on gfx942 (aiter per_1x32_i4_quant; README: Which scale rule).")
 @click.option("--dry-run", is_flag=True, help="Check everything, print the plan, convert nothing.")
 @click.option("--progress", type=click.Choice(["bar", "json", "none"]), default="bar", show_default=True,
               help="json: one JSON line per event on stderr, for schedulers and log collectors.")
 def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, workers_per_gpu, sample_experts, overwrite, shard_spec,
-                  part, profile, drop_activation_quant, dry_run, progress) -> None:
+                  part, profile, drop_activation_quant, scale_rule, dry_run, progress) -> None:
     """Convert the MXFP4 checkpoint SRC into an int4 checkpoint a server loads directly.
 
     Exit codes: 0 done, 2 bad input, 3 error threshold exceeded, 4 output/IO problem
     (DST not usable, locked, disk full), 130 interrupted (run again to resume), 1 other.
     """
     from .pipeline import Options, convert, default_dst, describe
-    from .validate import format_table
+    from .validate import format_table, ratio_line
 
     opts = Options(max_rel_rmse=max_rel_rmse, sample_experts=sample_experts, workers=workers,
                    workers_per_gpu=workers_per_gpu,
                    devices=devices.split(",") if devices else None, overwrite=overwrite, shard_spec=shard_spec,
-                   part=part, profile=profile, drop_activation_quant=drop_activation_quant)
+                   part=part, profile=profile, drop_activation_quant=drop_activation_quant, scale_rule=scale_rule)
     bar = _Progress(progress)
     try:
         if dry_run:
@@ -114,13 +188,15 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, workers_per_gpu, sam
     if progress == "json":
         click.echo(json.dumps({"event": "finished", "time": round(time.time(), 3), "dst": summary.dst,
                                "complete": summary.complete, "seconds": round(summary.seconds, 3),
+                               "bytes_in": summary.bytes_in,
                                "worst": summary.worst}), err=True)
         return
-    click.echo(format_table(summary.layers))
-    rate = summary.bytes_in / summary.seconds / 1e9 if summary.seconds else 0
+    click.echo(format_table(summary.layers, rule=summary.scale_rule))
+    if line := ratio_line(summary.cmp_ratio, summary.scale_rule):
+        click.echo(line)
     state = "complete" if summary.complete else \
         f"{summary.shards_done}/{summary.shards_total} shards done (the run that converts the last one completes DST)"
-    click.echo(f"{state}: {summary.tensors} tensors in {summary.seconds:.1f} s ({rate:.2f} GB/s) -> {summary.dst}")
+    click.echo(f"{state}: {summary.tensors} tensors; {rate_line(summary.bytes_in, summary.seconds)} -> {summary.dst}")
     if summary.status != "partial":
         click.echo(f"report: {os.path.join(summary.dst, REPORT)}")
 
@@ -182,7 +258,8 @@ def demo(ctx, workdir) -> None:
 @click.option("--all", "all_", is_flag=True, help="Re-decode every converted tensor (with --source; slow on the real model).")
 @click.option("--no-checksums", is_flag=True, help="Skip hashing the shards (structure checks only).")
 @click.option("--serving", type=click.Choice(SERVERS), default=None,
-              help="Also check DST against that server's int4 W4A16 MoE path on gfx942 (docs/serving.md).")
+              help="Also check DST against that server and target: what it loads, the MoE kernel it "
+                   "picks, the memory (docs/serving.md).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tensor-parallel size the server will run with (with --serving).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")

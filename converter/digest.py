@@ -14,6 +14,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .devices import cpus
+from .safepath import open_regular
 
 CHUNK = 64 << 20
 ALGORITHM = "sha256 of the SHA-256s of consecutive 64 MiB chunks"
@@ -27,11 +28,16 @@ def set_threads(cores: int) -> None:
     _threads = cores
 
 
+def threads_for(cores: int) -> int:
+    """Hashing threads for a process with ``cores`` cores: half of them, 2 to 8."""
+    return max(2, min(8, cores // 2))
+
+
 def pool() -> ThreadPoolExecutor:
     """The process's hashing threads (hashlib releases the GIL on large buffers)."""
     global _pool
     if _pool is None:
-        _pool = ThreadPoolExecutor(max(2, min(8, (_threads or cpus()) // 2)), "k3-hash")
+        _pool = ThreadPoolExecutor(threads_for(_threads or cpus()), "k3-hash")
     return _pool
 
 
@@ -50,8 +56,8 @@ def combine(chunks: list[bytes]) -> str:
 
 def file_digest(path: str) -> str:
     """The digest of a whole file, its chunks hashed in parallel."""
-    size = os.path.getsize(path)
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)  # a FIFO planted as a shard is refused, not waited on for ever
+    size = os.fstat(fd).st_size
     try:
         starts = range(0, max(size, 1), CHUNK)
         return combine(list(pool().map(lambda s: hash_range(fd, s, min(CHUNK, size - s)), starts)))

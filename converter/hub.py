@@ -1,5 +1,7 @@
 """Publish a finished DST on the Hugging Face Hub: refuse unfinished or broken output, write a
-model card that states what a server must know (int4 g32 symmetric, SiTU), then upload.
+model card that states what a server must know (int4 g32 symmetric, the expert activation as
+the config states it), then upload. The card is ours: the source's README.md is kept beside it
+as README.source.md (converter.plan) and never published as the int4 model's card.
 
 The upload goes through huggingface_hub's resumable large-folder path: ``upload_large_folder``
 where the installed version has it (0.x/1.x), else ``upload_folder``, which in 2.x is that
@@ -14,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import __version__
-from .errors import BadInput, ConvertError, VerifyFailed
+from .errors import BadInput, ConvertError, OutputError, VerifyFailed
 from .formats import checkpoint as ckpt
 from .manifest import MANIFEST, STATE_DIR, atomic_write, read_json
+from .plan import README_SOURCE
 from .verify import REPORT, verify
 
 IGNORE = [f"{STATE_DIR}/**", "*.partial", "*.tmp[0-9]*"]  # state, unfinished shards, torn atomic writes
@@ -50,13 +53,13 @@ def upload_files(dst: str) -> list[tuple[str, int]]:
         DEFAULT_IGNORE_PATTERNS = [".git", ".git/*", "*/.git", "**/.git/**", ".cache/huggingface",
                                    ".cache/huggingface/*"]
     rel = []
-    for d, _, files in os.walk(dst):
-        for f in files:
+    for d, dirs, files in os.walk(dst):
+        for f in dirs + files:  # os.walk lists a linked folder among dirs (and does not enter it)
             path = os.path.join(d, f)
             if os.path.islink(path):  # the upload would send whatever it points to
                 raise VerifyFailed(f"{os.path.relpath(path, dst)} is a symlink (to {os.readlink(path)}): "
                                    "refusing to upload what may lie outside DST", file=dst)
-            rel.append(os.path.relpath(path, dst).replace(os.sep, "/"))
+        rel += [os.path.relpath(os.path.join(d, f), dst).replace(os.sep, "/") for f in files]
     keep = filter_repo_objects(sorted(rel), ignore_patterns=IGNORE + list(DEFAULT_IGNORE_PATTERNS))
     return [(p, os.path.getsize(os.path.join(dst, p))) for p in keep]
 
@@ -125,14 +128,15 @@ def model_card(dst: str, base: str | None = None, repo_id: str | None = None) ->
     if _REPO_ID.match(name):
         front += [f"base_model: {name}", "base_model_relation: quantized"]
     front += ["tags:", "- compressed-tensors", "- int4", "- w4a16", "- k3convert", "---", ""]
-    situ = (f"`hidden_act: {act.get('hidden_act')}`, `activation_situ_beta: {act.get('activation_situ_beta')}`, "
-            f"`activation_situ_linear_beta: {act.get('activation_situ_linear_beta')}`")
+    activation, serving_act = activation_section(act)
+    source_card = (f"\nThe source model's own card is kept beside this one as `{README_SOURCE}`.\n"
+                   if os.path.exists(os.path.join(dst, README_SOURCE)) else "")
     body = f"""# {name.split('/')[-1]} — int4 (group 32) routed experts
 
 An int4 version of **{name}**: the routed-expert weights, published as MXFP4, requantized to
 int4 with one bf16 scale per 32 weights, in the compressed-tensors `pack-quantized` format that
 vLLM and SGLang load directly. Everything else is byte-identical to the source.
-
+{source_card}
 ## Quantization
 
 - Routed experts (`...experts.{{E}}.{{w1,w2,w3}}`): int4, **group size 32, symmetric**, one **bf16 scale**
@@ -144,12 +148,8 @@ vLLM and SGLang load directly. Everything else is byte-identical to the source.
 - Attention, shared experts, router, embeddings, norms, vision tower: unchanged from the source.
 - Size: {_size(size)} in {len(manifest.get('shards') or {})} shard(s).
 
-## Expert activation: SiTU, not SiLU
-
-The experts use SiTU: `a = beta * tanh(g / beta) * sigmoid(g)`, `u = linear_beta * tanh(u / linear_beta)`,
-`out = a * u` (g = w1 x, u = w3 x), with {situ}.
+{activation}
 These are stated in `config.json`, in every shard's safetensors metadata, and in `{MANIFEST}`.
-A kernel that assumes SiLU loads this checkpoint without complaint and produces garbage.
 
 ## How it was converted
 
@@ -171,8 +171,7 @@ random x (sampled experts). Per-tensor figures: `{report.get('tensor_table', 'k3
 ## Serving (vLLM, SGLang)
 
 - The server must support this model's architecture (`{config.get('model_type')}`,
-  {', '.join(config.get('architectures') or []) or '-'}) **including the SiTU expert activation** with the
-  parameters above; check that its logs do not fall back to SiLU.
+  {', '.join(config.get('architectures') or []) or '-'}){serving_act}.
 - It must read the quantization config where it sits ({where}) and support
   compressed-tensors **W4A16 MoE with group size 32, symmetric** (vLLM: the compressed-tensors
   W4A16 MoE path, Marlin on CUDA; on ROCm gfx942 its W4A16 MoE path).
@@ -185,6 +184,35 @@ python -m sglang.launch_server --model-path {repo} --trust-remote-code --tp 8
 ```
 """
     return "\n".join(front) + body
+
+
+def activation_section(act: dict) -> tuple[str, str]:
+    """The card's activation section and its serving caveat, as the config states the activation
+    (the manifest's ``activation``): SiTU with its betas, or whatever else it names."""
+    name = act.get("hidden_act")
+    fields = ", ".join(f"`{k}: {v}`" for k, v in act.items())
+    if name == "situ":
+        return (f"""## Expert activation: SiTU, not SiLU
+
+The experts use SiTU: `a = beta * tanh(g / beta) * sigmoid(g)`, `u = linear_beta * tanh(u / linear_beta)`,
+`out = a * u` (g = w1 x, u = w3 x), with {fields}.
+A kernel that assumes SiLU loads this checkpoint without complaint and produces garbage.""",
+                " **including the SiTU expert activation** with the parameters above; check that its logs do "
+                "not fall back to SiLU")
+    return (f"""## Expert activation: {name}
+
+The experts use the activation the source's config names, unchanged by the conversion: {fields or '-'}.""",
+            f" with its `{name}` expert activation")
+
+
+def _source_card(dst: str, manifest: dict) -> bool:
+    """Whether DST's README.md is the source's card (earlier k3convert versions copied it there)."""
+    src = (manifest.get("source") or {}).get("path") or ""
+    try:
+        with open(os.path.join(dst, README), "rb") as mine, open(os.path.join(src, README), "rb") as theirs:
+            return mine.read() == theirs.read()
+    except OSError:
+        return False
 
 
 # --------------------------------------------------------------------------- upload
@@ -220,12 +248,17 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
     verify(dst, checksums=verify_checksums).raise_if_failed()
 
     readme_path = os.path.join(dst, README)
+    if not dry_run and _source_card(dst, manifest) and not os.path.exists(os.path.join(dst, README_SOURCE)):
+        try:  # the source's card is not ours to publish
+            os.replace(readme_path, os.path.join(dst, README_SOURCE))
+        except OSError as e:
+            raise OutputError(f"cannot rename README.md to {README_SOURCE}: {e.strerror}", file=dst) from None
     files = upload_files(dst)
-    if os.path.exists(readme_path):
+    if os.path.exists(readme_path) and not _source_card(dst, manifest):
         readme = "kept"
     elif dry_run:
         readme = "would write"
-        files = sorted(files + [(README, len(model_card(dst, base, repo_id).encode()))])
+        files = sorted([f for f in files if f[0] != README] + [(README, len(model_card(dst, base, repo_id).encode()))])
     else:
         atomic_write(readme_path, model_card(dst, base, repo_id).encode())
         readme = "written"

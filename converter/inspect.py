@@ -15,6 +15,8 @@ from .formats import checkpoint as ckpt
 from .formats.safetensors_io import read_header
 from .manifest import MANIFEST, REPORT, read_json
 from .plan import PACKED
+from .safepath import regular_problem
+from .validate import ratio_line
 
 MXFP4_SOURCE = "mxfp4-source"
 K3_OUTPUT = "k3convert-int4"
@@ -78,12 +80,15 @@ def inspect_path(path: str) -> dict[str, Any]:
     if os.path.isfile(path):
         return _shard_file(path)
     if not os.path.isdir(path):
-        raise BadInput("no such file or directory", file=path)
+        why = regular_problem(path) if os.path.exists(path) else None  # a FIFO or device: say what it is
+        raise BadInput(why or "no such file or directory", file=path)
     config_path = os.path.join(path, "config.json")
     config = ckpt.load_json(config_path) if os.path.exists(config_path) else {}
     try:
         manifest = read_json(os.path.join(path, MANIFEST))
     except ConvertError:
+        manifest = {"unreadable": True}
+    if manifest is not None and not isinstance(manifest, dict):  # valid JSON, not an object
         manifest = {"unreadable": True}
     blocks = ckpt.quant_blocks(config)
     kind, description = _detect(blocks, manifest is not None)
@@ -142,6 +147,9 @@ def inspect_path(path: str) -> dict[str, Any]:
             "dropped": [d.get("where") for d in quant.get("dropped") or []] + list(source.get("dropped_tensors") or []),
             "activation": manifest.get("activation"),
             "worst": (report or {}).get("worst"), "rel_rmse_mean": (report or {}).get("rel_rmse_mean"),
+            "scale_rule": manifest.get("scale_rule") or (manifest.get("options") or {}).get("scale_rule") or "optimal",
+            "compare_rule": (report or {}).get("compare_rule"), "cmp_rel_rmse_mean": (report or {}).get("cmp_rel_rmse_mean"),
+            "cmp_ratio": (report or {}).get("cmp_ratio"),
         }
     return info
 
@@ -241,4 +249,7 @@ def format_info(info: dict[str, Any]) -> str:
         if worst:
             lines.append(f"  error:        relative RMSE mean {k3.get('rel_rmse_mean'):.4f}, worst "
                          f"{worst.get('rel_rmse'):.4f} ({worst.get('tensor')})")
+        lines.append(f"  scale rule:   {k3.get('scale_rule')}")
+        if isinstance(k3.get("cmp_ratio"), (int, float)):
+            lines.append(f"  compare:      {ratio_line(k3['cmp_ratio'], k3.get('scale_rule'))}")
     return "\n".join(lines)

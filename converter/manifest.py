@@ -15,7 +15,8 @@ from typing import Any
 import zstandard
 
 from .errors import OutputError
-from .safepath import fresh_file, lock_file
+from .formats import json_input
+from .safepath import fresh_file, lock_file, open_regular
 
 MANIFEST = "k3convert_manifest.json"
 REPORT = "k3convert_report.json"            # per-layer error summary, written by finalize
@@ -23,34 +24,113 @@ TENSOR_TABLE = "k3convert_tensors.jsonl.zst"  # every converted tensor's figures
 STATE_DIR = ".k3convert"  # per-shard figure tables and the lock, inside DST
 
 
+def discard(path: str) -> None:
+    """Remove a file if it is there (a temporary being cleaned up): never raises."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def temp_name(path: str) -> str:
+    """This process's temporary for ``path``: unique among concurrent runs, recognisable
+    (``*.tmpPID``) for the upload filter and for the clean-up of a run that was killed."""
+    return f"{path}.tmp{os.getpid()}"
+
+
+def stage(path: str, data: bytes) -> str:
+    """Write ``data`` to a fresh temporary beside ``path`` and fsync it; returns the temporary.
+
+    Every coordinator write goes through here: an OSError (ENOSPC, EIO, no inodes) becomes an
+    OutputError naming ``path`` (exit 4) and leaves no temporary behind."""
+    tmp = temp_name(path)
+    fd = fresh_file(tmp)  # OutputError itself
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        discard(tmp)
+        raise OutputError(f"cannot write: {e.strerror}", file=path) from None
+    except BaseException:
+        discard(tmp)
+        raise
+    return tmp
+
+
+def stage_copy(src_path: str, path: str) -> str:
+    """Copy a (regular) source file to a fresh temporary beside ``path``, fsynced; as ``stage``.
+    A read error names the source file, a write error ``path``."""
+    tmp = temp_name(path)
+    fd = fresh_file(tmp)
+    try:
+        with os.fdopen(fd, "wb") as w:
+            with os.fdopen(open_regular(src_path), "rb") as r:  # BadInput for a FIFO or device
+                while True:
+                    try:
+                        buf = r.read(1 << 24)
+                    except OSError as e:
+                        raise OutputError(f"cannot read: {e.strerror}", file=src_path) from None
+                    if not buf:
+                        break
+                    w.write(buf)
+            w.flush()
+            os.fsync(w.fileno())
+    except OSError as e:
+        discard(tmp)
+        raise OutputError(f"cannot write: {e.strerror}", file=path) from None
+    except BaseException:
+        discard(tmp)
+        raise
+    return tmp
+
+
+def commit(staged: list[tuple[str, str]]) -> None:
+    """Rename staged temporaries to their names, in order. A failure removes every temporary
+    not yet renamed (and raises OutputError naming the file); the caller undoes the renamed."""
+    try:
+        for i, (tmp, path) in enumerate(staged):
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                raise OutputError(f"cannot write: {e.strerror}", file=path) from None
+    except BaseException:
+        for tmp, _ in staged[i:]:
+            discard(tmp)
+        raise
+
+
 def atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with os.fdopen(fresh_file(tmp), "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Replace ``path`` by ``data``: a kill leaves the old or the new file, an error neither a
+    temporary nor a half-written file (OutputError, exit 4)."""
+    commit([(stage(path, data), path)])
+
+
+def json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
 
 
 def write_json(path: str, obj: Any) -> None:
-    atomic_write(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+    atomic_write(path, json_bytes(obj))
 
 
 def read_json(path: str) -> dict | None:
+    """A DST JSON file (numbers bounded: formats.json_input; Infinity as our writer spells it), None
+    when absent."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json_input.load_file(path, constants=True)
     except FileNotFoundError:
         return None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError):  # JSONDecodeError is a ValueError
         raise OutputError("is corrupt: remove it, or run with --overwrite", file=path) from None
 
 
 def file_fingerprint(path: str, edge: int = 1 << 20) -> dict[str, Any]:
     """Cheap identity of a source file: size, mtime, and a hash of its first and last MiB."""
-    st = os.stat(path)
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:  # a FIFO is refused, not waited on
+        st = os.fstat(f.fileno())
         h.update(f.read(edge))
         if st.st_size > edge:
             f.seek(max(edge, st.st_size - edge))
@@ -58,10 +138,14 @@ def file_fingerprint(path: str, edge: int = 1 << 20) -> dict[str, Any]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "edge_blake2b": h.hexdigest()}
 
 
-def write_rows(path: str, rows: list[dict]) -> None:
+def rows_bytes(rows: list[dict]) -> bytes:
     """A figure table as zstd-compressed JSON lines: ~10x smaller for 250k tensors."""
     raw = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows).encode()
-    atomic_write(path, zstandard.ZstdCompressor(level=9).compress(raw))
+    return zstandard.ZstdCompressor(level=9).compress(raw)
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    atomic_write(path, rows_bytes(rows))
 
 
 def read_rows(path: str) -> list[dict]:
@@ -70,23 +154,47 @@ def read_rows(path: str) -> list[dict]:
     return [json.loads(line) for line in raw.splitlines() if line]
 
 
+_KEY_LIMIT = 200  # bytes of a shard name kept in its state files' names (+ suffix + .tmpPID <= 255)
+
+
+def state_key(name: str) -> str:
+    """The stem of a shard's files in the state folder (``KEY.done.json``, ``KEY.lock``, ...):
+    the name itself, or for a long one (a legal 255-byte shard name would not fit with the
+    suffixes) a hash of it."""
+    if len(name.encode()) <= _KEY_LIMIT:
+        return name
+    return "long-" + hashlib.blake2b(name.encode(), digest_size=20).hexdigest()
+
+
+def state_file(dst: str, name: str, suffix: str) -> str:
+    return os.path.join(dst, STATE_DIR, state_key(name) + suffix)
+
+
+def _flock(f, how: int) -> bool:
+    try:
+        fcntl.flock(f, how)
+        return True
+    except BlockingIOError:
+        return False
+
+
 class ShardLocks:
     """Exclusive flocks on the shards a run converts, in DST's state folder.
 
     A second run that wants any of them is refused at once; runs on disjoint shards (job
     array parts) share a DST. The kernel drops a flock when its holder dies, kill -9 too.
+    Taken only while the DST lock is held (``DstLock``), so that a claim and the identity it
+    belongs to are one step.
     """
 
     def __init__(self, dst: str, names: list[str]):
         self.files = []
         try:
             for n in names:
-                f = lock_file(os.path.join(dst, STATE_DIR, n + ".lock"))
+                f = lock_file(state_file(dst, n, ".lock"))
                 self.files.append(f)
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    raise OutputError("another k3convert run is converting it", file=os.path.join(dst, n)) from None
+                if not _flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                    raise OutputError("another k3convert run is converting it", file=os.path.join(dst, n))
         except BaseException:
             self.release()
             raise
@@ -95,3 +203,42 @@ class ShardLocks:
         for f in self.files:
             f.close()  # closing drops the flock
         self.files = []
+
+
+IDENTITY_LOCK = "identity.lock"  # held (briefly, exclusively) to read, compare, write run.json and claim shards
+RUN_LOCK = "run.lock"            # held shared by every run using DST, for as long as it does
+LOCKS = (IDENTITY_LOCK, RUN_LOCK)
+
+
+class DstLock:
+    """The lock over a DST's identity and its claims.
+
+    ``__init__`` waits for ``identity.lock`` (exclusive): while it is held, run.json is read,
+    compared and written and shards are claimed, so two runs started at once either agree on
+    one identity (a job array: they cooperate) or the later one sees the other's and is
+    refused. Every run then holds ``run.lock`` shared until it is done; ``alone`` (that lock
+    exclusive, without waiting) tells whether any other run is using DST, which replacing it
+    (--overwrite) or cleaning a killed run's temporaries needs.
+    """
+
+    def __init__(self, state: str):
+        self._identity = lock_file(os.path.join(state, IDENTITY_LOCK))
+        try:
+            fcntl.flock(self._identity, fcntl.LOCK_EX)
+            self._run = lock_file(os.path.join(state, RUN_LOCK))
+        except BaseException:
+            self._identity.close()
+            raise
+
+    def alone(self) -> bool:
+        """True (now holding run.lock exclusively) when no other run uses DST."""
+        return _flock(self._run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def join(self) -> None:
+        """Hold run.lock shared (from exclusive too), then let the next run check its identity."""
+        fcntl.flock(self._run, fcntl.LOCK_SH)
+        self._identity.close()
+
+    def close(self) -> None:
+        self._identity.close()
+        self._run.close()

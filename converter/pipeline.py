@@ -10,9 +10,11 @@ as long as their shard selections are disjoint: each run locks the shards it con
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,14 +25,16 @@ from .devices import gpu_count
 from .digest import ALGORITHM as DIGEST_ALGORITHM
 from .errors import BadInput, Interrupted, OutputError, ThresholdExceeded
 from .formats import checkpoint as ckpt
-from .manifest import (MANIFEST, REPORT, STATE_DIR, TENSOR_TABLE, ShardLocks, file_fingerprint, read_json,
-                       read_rows, write_json, write_rows)
-from .plan import Plan, ShardPlan, build_plan
-from .safepath import dest_file, fresh_file, lock_file
-from .validate import TensorFigures, layer_summary
-from .workers import Task, Workers, raise_error
+from .formats.dialect import TARGET_FORMAT
+from .manifest import (LOCKS, MANIFEST, REPORT, RUN_LOCK, STATE_DIR, TENSOR_TABLE, DstLock, ShardLocks, commit, discard,
+                       file_fingerprint, json_bytes, read_json, read_rows, rows_bytes, stage, stage_copy, state_file,
+                       write_json, write_rows)
+from .plan import TEMPORARY, Plan, ShardPlan, build_plan, side_file_target
+from .safepath import contains, dest_file, lock_file
+from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, RULE_KEY, RULES as SCALE_RULES
+from .validate import TensorFigures, error_ratio, layer_summary, mean, ratio_line
+from .workers import Task, Workers, cpu_workers, raise_error
 
-TARGET_FORMAT = "compressed-tensors pack-quantized int4 group 32 symmetric, bf16 scales"
 
 
 @dataclass
@@ -38,7 +42,7 @@ class Options:
     max_rel_rmse: float = 0.15   # optimal requantization of MXFP4 gives ~0.1 on real-like data
     sample_experts: int = 4      # experts per layer whose output error y = W x is measured
     devices: list[str] | None = None  # None: every visible GPU, else CPU
-    workers: int = 1             # CPU processes when converting on the CPU
+    workers: int | None = 1      # CPU processes when converting on the CPU; None: chosen from the machine
     workers_per_gpu: int = 2     # two shards in flight per GPU: one output file is one write stream
     overwrite: bool = False
     batch_groups: int | None = None   # groups per requantize call [default: 2**20 CPU, 2**21 GPU]
@@ -47,14 +51,23 @@ class Options:
     profile: str | None = None        # model profile name or file [default: chosen from config.json]
     drop_activation_quant: bool = False  # convert a source that also quantizes activations, weight-only
     inline: bool | None = None        # one worker in this process [default: when torch is imported here]
+    scale_rule: str = SCALE_RULE_DEFAULT  # --scale-rule: optimal | vllm-gfx942 (quant/rules.py)
 
     def identity(self) -> dict[str, Any]:
         """What must match for a run to continue (or share) a previous one's DST."""
         return {"version": __version__, "sample_experts": self.sample_experts, "profile": self.profile,
-                "drop_activation_quant": self.drop_activation_quant}
+                "drop_activation_quant": self.drop_activation_quant, "scale_rule": self.scale_rule}
 
     def plan(self, src: str) -> Plan:
         return build_plan(src, self.profile, self.drop_activation_quant)
+
+    def check(self) -> None:
+        """Refuse option values that would silently turn a check off (``nan`` compares false)."""
+        x = self.max_rel_rmse
+        if not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+            raise BadInput(f"--max-rel-rmse {x}: expected a finite number >= 0")
+        if self.scale_rule not in SCALE_RULES:
+            raise BadInput(f"--scale-rule {self.scale_rule!r}: expected one of {', '.join(SCALE_RULES)}")
 
 
 @dataclass
@@ -68,6 +81,8 @@ class Summary:
     bytes_out: int
     layers: list[dict] = field(default_factory=list)
     complete: bool = False
+    scale_rule: str = SCALE_RULE_DEFAULT
+    cmp_ratio: float | None = None  # the other rule's error over ours (validate.error_ratio)
     status: str = "partial"
     worst: dict | None = None
 
@@ -79,19 +94,46 @@ def default_dst(src: str) -> str:
     return os.path.abspath(src).rstrip(os.sep) + "-int4"
 
 
-def resolve_devices(options: Options) -> list[str]:
+def resolve_devices(options: Options, shards: int | None = None) -> list[str]:
     """One entry per worker process: each GPU named (or found), else ``workers`` CPU slots."""
+    return plan_workers(options, shards)[0]
+
+
+def plan_workers(options: Options, shards: int | None = None) -> tuple[list[str], str]:
+    """The worker processes (one device each) and a line saying how many and why; ``shards``
+    (to convert) caps ``--workers auto``."""
     devices = options.devices
     for d in devices or []:
         if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
             raise BadInput(f"--devices: {d!r} is not cpu or cuda:N (ROCm GPUs are cuda:N too)")
     if devices and "cpu" in devices and len(devices) > 1:
         raise BadInput("--devices: use either cpu (with --workers) or GPUs, not both")
+    if devices and devices != ["cpu"]:
+        n = gpu_count()
+        for d in devices:
+            if int(d[5:]) >= n:
+                raise BadInput(f"--devices: {d} is not a visible GPU ("
+                               + (f"{n} visible: cuda:0-{n - 1})" if n else "none is: no CUDA or ROCm driver found)"))
     if devices is None and (n := gpu_count()):
         devices = [f"cuda:{i}" for i in range(n)]
     if devices and devices != ["cpu"]:
-        return [d for d in devices for _ in range(max(1, options.workers_per_gpu))]
-    return ["cpu"] * max(1, options.workers)
+        per = max(1, options.workers_per_gpu)
+        return [d for d in devices for _ in range(per)], f"{len(devices)} GPU(s) x {per} worker(s)"
+    choice = cpu_workers(options.workers, shards)
+    return ["cpu"] * choice.workers, str(choice)
+
+
+def shard_count(src: str, options: Options) -> int | None:
+    """Shards a run will select, counted from SRC's listing before the plan is read (which
+    takes seconds on the real model, while the workers already start); None if unknown."""
+    try:
+        names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    except OSError:
+        return None
+    try:
+        return len(select_shards(names, options.shard_spec, options.part)) if names else None
+    except BadInput:  # the plan reports it, against the index's shards
+        return None
 
 
 def select_shards(names: list[str], spec: str | None = None, part: str | None = None) -> list[str]:
@@ -125,11 +167,6 @@ def selected(plan: Plan, options: Options) -> list[ShardPlan]:
     return [s for s in plan.shards if s.name in names]
 
 
-def _inside(a: str, b: str) -> bool:
-    a, b = os.path.realpath(a), os.path.realpath(b)
-    return a == b or a.startswith(b + os.sep)
-
-
 def _state(dst: str, *parts: str) -> str:
     return os.path.join(dst, STATE_DIR, *parts)
 
@@ -138,6 +175,10 @@ def _refuse_linked_state(dst: str) -> None:
     """DST's state folder is read and written: through a planted link it would be elsewhere."""
     if os.path.islink(_state(dst)):
         raise OutputError(f"{STATE_DIR} is a symlink: refusing to write through it", file=dst)
+
+
+IDENTITY = "run.json"
+_WHO = "created_by"  # which run recorded the identity: named when another is refused
 
 
 def run_identity(plan: Plan, options: Options) -> dict[str, Any]:
@@ -149,49 +190,147 @@ def run_identity(plan: Plan, options: Options) -> dict[str, Any]:
     }
 
 
-def prepare_dst(plan: Plan, dst: str, options: Options) -> None:
-    """Create DST, or check that it continues this very conversion (else refuse/replace)."""
-    if _inside(dst, plan.src) or _inside(plan.src, dst):
+def _who() -> dict[str, Any]:
+    return {"pid": os.getpid(), "host": socket.gethostname(),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _named(old: dict) -> str:
+    w = old.get(_WHO)
+    if not isinstance(w, dict):
+        return "an earlier run"
+    return f"the run of pid {w.get('pid')} on {w.get('host')} started {w.get('started_at')}"
+
+
+def _remove(path: str) -> None:
+    shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+
+
+def _wipe(dst: str) -> None:
+    """Empty DST for --overwrite, keeping the lock files (other runs may be waiting on them)."""
+    for name in os.listdir(dst):
+        if name != STATE_DIR:
+            _remove(os.path.join(dst, name))
+    for name in os.listdir(_state(dst)):
+        if name not in LOCKS:
+            _remove(_state(dst, name))
+
+
+def _clean_temporaries(dst: str) -> None:
+    """Drop what killed runs left (``*.tmpPID``, ``*.partial``): only called with no other run
+    using DST, so none of it can be work in progress."""
+    for d, _, files in os.walk(dst):
+        for f in files:
+            if TEMPORARY.search(f):
+                os.unlink(os.path.join(d, f))
+
+
+def _reopen(dst: str) -> None:
+    """A shard is about to be (re)done: first DST must stop claiming to be complete, so that a
+    kill during the redo cannot leave a "complete" manifest with a shard missing."""
+    path = os.path.join(dst, MANIFEST)
+    with lock_file(_state(dst, "manifest.lock")) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        manifest = read_json(path)
+        if isinstance(manifest, dict) and manifest.get("complete") is not False:
+            manifest.update(complete=False, status="partial")
+            manifest.pop("finished_at", None)
+            write_json(path, manifest)
+            for name in (ckpt.INDEX, "config.json", REPORT, TENSOR_TABLE):  # re-derived at the end; meanwhile
+                # no loader takes DST for a checkpoint, and no report describes shards not there
+                p = os.path.join(dst, name)
+                try:
+                    if os.path.lexists(p):
+                        os.unlink(p)
+                except OSError as e:
+                    raise OutputError(f"cannot remove: {e.strerror}", file=p) from None
+
+
+def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
+    """Create DST, or check that it continues this very conversion (else refuse/replace).
+
+    Returns the DST lock, held: run.json is read, compared and written under it, and the
+    caller claims its shards before letting it go (``DstLock.join``), so runs started at once
+    agree on one identity or all but one are refused, naming the run that recorded it."""
+    if contains(plan.src, dst) or contains(dst, plan.src):
         raise OutputError(f"DST and SRC ({plan.src}) must not contain each other", file=dst)
     ident = run_identity(plan, options)
-    if os.path.exists(dst):
-        if not os.path.isdir(dst) or not os.access(dst, os.W_OK | os.X_OK):
-            raise OutputError("is not a writable directory", file=dst)
-        _refuse_linked_state(dst)
-        old = read_json(_state(dst, "run.json"))
-        if old is None and [f for f in os.listdir(dst) if f != STATE_DIR]:
-            raise OutputError("exists, is not empty and holds no k3convert state: choose a new directory", file=dst)
-        if old is not None and old != ident:
-            if not options.overwrite:
-                what = "source files changed" if old.get("source") == plan.src else "another source or options"
-                raise OutputError(f"holds a different conversion ({what}): use --overwrite to replace it", file=dst)
-            held = [n[:-5] for n in os.listdir(_state(dst)) if n.endswith(".lock") and n != "manifest.lock"]
-            ShardLocks(dst, held).release()  # refuses if another run is converting any of them
-            for name in os.listdir(dst):
-                p = os.path.join(dst, name)
-                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+    if os.path.exists(dst) and (not os.path.isdir(dst) or not os.access(dst, os.W_OK | os.X_OK)):
+        raise OutputError("is not a writable directory", file=dst)
+    foreign = "exists, is not empty and holds no k3convert state: choose a new directory"
+    if os.path.isdir(dst) and not os.path.lexists(_state(dst)) and os.listdir(dst):
+        raise OutputError(foreign, file=dst)  # refused before anything of ours is put there
     try:
+        _refuse_linked_state(dst)
         os.makedirs(_state(dst), exist_ok=True)
         _refuse_linked_state(dst)
-        if read_json(_state(dst, "run.json")) is None:
-            write_json(_state(dst, "run.json"), ident)
     except OSError as e:
         raise OutputError(f"cannot write: {e.strerror}", file=dst) from None
+    lock = DstLock(_state(dst))
+    try:
+        old = read_json(_state(dst, IDENTITY))
+        if old is None and [f for f in os.listdir(dst) if f != STATE_DIR]:
+            raise OutputError(foreign, file=dst)
+        if old is not None and {k: v for k, v in old.items() if k != _WHO} != ident:
+            what = (f"another source, {old.get('source')}" if old.get("source") != plan.src else
+                    "other options" if old.get("options") != ident["options"] else "source files changed")
+            if not options.overwrite:
+                raise OutputError(f"holds a different conversion ({what}), recorded by {_named(old)}: "
+                                  "use --overwrite to replace it", file=dst)
+            if not lock.alone():
+                raise OutputError(f"holds a different conversion ({what}) that another k3convert run is using "
+                                  f"(recorded by {_named(old)}): refusing to replace it", file=dst)
+            _wipe(dst)
+            old = None
+        if lock.alone():
+            _clean_temporaries(dst)
+        if old is None:
+            write_json(_state(dst, IDENTITY), {**ident, _WHO: _who()})
+    except OSError as e:
+        lock.close()
+        raise OutputError(f"cannot write: {e.strerror}", file=e.filename or dst) from None
+    except BaseException:
+        lock.close()
+        raise
+    return lock
+
+
+def space_margin(need: int) -> int:
+    """Head-room beyond the estimate: 2% of the job, a tenth of it up to 1 GiB, and 4 MiB at
+    least (file system metadata): a small job fits a small file system."""
+    return max(need // 50, min(1 << 30, need // 10), 4 << 20)
+
+
+def gb(n: int) -> str:
+    """Bytes in GB with two significant digits at least: a small figure never reads 0.0."""
+    if n >= 1e9 or n <= 0:
+        return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e9:.{1 - math.floor(math.log10(n / 1e9))}f} GB"
+
+
+def bytes_needed(plan: Plan, dst: str, todo: list[ShardPlan]) -> int:
+    """What the rest of the run writes: its shards, and the side files not yet in DST."""
+    side = 0
+    for rel in plan.other_files:
+        size = os.path.getsize(os.path.join(plan.src, rel))
+        out = os.path.join(dst, side_file_target(rel))
+        if not (os.path.isfile(out) and os.path.getsize(out) == size):
+            side += size
+    return sum(s.bytes_out for s in todo) + side
 
 
 def check_space(dst: str, need: int) -> None:
     free = shutil.disk_usage(dst).free
-    margin = max(1 << 30, need // 50)
+    margin = space_margin(need)
     if free < need + margin:
-        raise OutputError(f"needs {need / 1e9:.1f} GB (+{margin / 1e9:.1f} GB margin) but has "
-                          f"{free / 1e9:.1f} GB free", file=dst)
+        raise OutputError(f"needs {gb(need)} (+{gb(margin)} margin) but has {gb(free)} free", file=dst)
 
 
 def shard_record(dst: str, name: str) -> dict | None:
     """A finished shard's record, if its output is still the file that was written."""
-    rec = read_json(_state(dst, name + ".done.json"))
+    rec = read_json(state_file(dst, name, ".done.json"))
     path = os.path.join(dst, name)
-    if rec is None or not os.path.exists(path) or file_fingerprint(path) != rec["output"]:
+    if rec is None or not os.path.isfile(path) or file_fingerprint(path) != rec["output"]:
         return None
     return rec
 
@@ -205,29 +344,41 @@ def convert(src: str, dst: str | None = None, options: Options | None = None,
     """
     t0 = time.perf_counter()
     options = options or Options()
-    with Workers(resolve_devices(options), options.inline) as workers:
+    options.check()
+    devices, note = plan_workers(options, len(selected(plan, options)) if plan else shard_count(src, options))
+    with Workers(devices, options.inline, note) as workers:
         plan = plan or options.plan(src)
         dst = os.path.abspath(dst or default_dst(plan.src))
-        prepare_dst(plan, dst, options)
-        chosen = selected(plan, options)
-        todo = [s for s in chosen if shard_record(dst, s.name) is None]
-        check_space(dst, sum(s.bytes_out for s in todo))
-        locks = ShardLocks(dst, [s.name for s in todo])
-        todo = [s for s in todo if shard_record(dst, s.name) is None]  # a run that just ended may have done some
-        old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        dst_lock = prepare_dst(plan, dst, options)
         try:
-            # leftovers of a killed run never look complete; drop them, but only of the shards
-            # locked above: a .partial of another shard may be another run's (--part) work in progress
-            for s in todo:
-                if os.path.lexists(os.path.join(dst, s.name + ".partial")):
-                    os.unlink(os.path.join(dst, s.name + ".partial"))
-            _convert_shards(plan, dst, options, todo, len(chosen), workers, on_event)
-        except KeyboardInterrupt:
-            raise Interrupted("interrupted: finished shards are kept; run the same command to resume") from None
-        finally:
-            signal.signal(signal.SIGTERM, old_term)
-            locks.release()
-    summary = finalize(dst, plan, options)
+            chosen = selected(plan, options)
+            todo = [s for s in chosen if shard_record(dst, s.name) is None]
+            check_space(dst, bytes_needed(plan, dst, todo))
+            locks = ShardLocks(dst, [s.name for s in todo])  # under the DST lock: one step with the identity
+            todo = [s for s in todo if shard_record(dst, s.name) is None]  # a run that just ended may have done some
+            old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+            try:
+                if todo:
+                    _reopen(dst)
+                dst_lock.join()
+                # leftovers of a killed run never look complete; drop them, but only of the shards
+                # locked above: a .partial of another shard may be another run's (--part) work in progress
+                for s in todo:
+                    if os.path.lexists(os.path.join(dst, s.name + ".partial")):
+                        os.unlink(os.path.join(dst, s.name + ".partial"))
+                _convert_shards(plan, dst, options, todo, len(chosen), workers, on_event)
+            except KeyboardInterrupt:
+                raise Interrupted("interrupted: finished shards are kept; run the same command to resume") from None
+            finally:
+                signal.signal(signal.SIGTERM, old_term)
+                locks.release()
+        except BaseException:
+            dst_lock.close()
+            raise
+    try:
+        summary = finalize(dst, plan, options)
+    finally:
+        dst_lock.close()
     if summary.status == "failed-validation":  # also shards finished (unchecked) by earlier runs
         w = summary.worst
         raise ThresholdExceeded(f"relative RMSE {w['rel_rmse']:.4f} exceeds --max-rel-rmse {options.max_rel_rmse}",
@@ -239,6 +390,7 @@ def convert(src: str, dst: str | None = None, options: Options | None = None,
 
 def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
     """What a run would do (``--dry-run``): nothing is written."""
+    options.check()
     dst = os.path.abspath(dst)
     chosen = selected(plan, options)
     done = [s.name for s in chosen if os.path.isdir(dst) and shard_record(dst, s.name)]
@@ -246,9 +398,11 @@ def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
     probe = dst
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
+    devices, workers = plan_workers(options, len(chosen))
     return {
         "source": plan.src, "dst": dst, "profile": f"{plan.profile.name} ({plan.profile_reason})",
-        "scale_convention": plan.source.scale_note, "devices": resolve_devices(options),
+        "scale_convention": plan.source.scale_note, "scale_rule": options.scale_rule, "devices": devices,
+        "workers": workers,
         "shards": len(chosen), "shards_done": len(done), "shards_todo": len(todo),
         "tensors_to_convert": sum(len(s.converts) for s in todo),
         "tensors_copied": sum(len(s.items) - len(s.converts) for s in todo),
@@ -267,13 +421,15 @@ def _raise_interrupt(signum, frame) -> None:
 def _convert_shards(plan: Plan, dst: str, options: Options, todo: list[ShardPlan], n_selected: int,
                     workers: Workers, on_event: Event) -> None:
     on_event("plan", {"shards": n_selected, "todo": len(todo), "bytes_in": sum(s.bytes_read for s in todo),
-                      "bytes_out": sum(s.bytes_out for s in todo), "devices": workers.devices[: max(1, len(todo))]})
+                      "bytes_out": sum(s.bytes_out for s in todo), "devices": workers.devices[: max(1, len(todo))],
+                      "workers": workers.note})
     if not todo:
         return
     experts = 1 + max((c.expert or 0) for s in plan.shards for c in s.converts)
     stride = max(1, -(-experts // max(1, options.sample_experts)))
     shift = 127 - plan.source.scale_bias
-    tasks = [Task(s, dst, stride, options.sample_experts, shift, options.batch_groups) for s in todo]
+    tasks = [Task(s, dst, stride, options.sample_experts, shift, options.batch_groups, options.scale_rule)
+             for s in todo]
     if not workers.inline:
         _prefetch([s.path for s in sorted(todo, key=lambda s: -s.bytes_in)[: len(workers.devices)]])
 
@@ -312,10 +468,11 @@ def _prefetch(paths: list[str]) -> None:
 def _record(dst: str, plan: Plan, options: Options, f: dict, on_event: Event) -> None:
     """A finished shard: its figure table and record (the resume state), then the threshold."""
     rows = f["figures"]
-    write_rows(_state(dst, f["shard"] + ".figures.jsonl.zst"), rows)
+    write_rows(state_file(dst, f["shard"], ".figures.jsonl.zst"), rows)
     worst = max(rows, key=lambda r: r["rel_rmse"], default=None)
-    write_json(_state(dst, f["shard"] + ".done.json"), {
-        "digest": f["digest"], "bytes": f["bytes"], "converted": len(rows), "seconds": round(f["seconds"], 3),
+    write_json(state_file(dst, f["shard"], ".done.json"), {
+        "shard": f["shard"], "digest": f["digest"], "bytes": f["bytes"], "converted": len(rows),
+        "seconds": round(f["seconds"], 3),
         "sources": f["sources"], "rel_rmse_worst": worst["rel_rmse"] if worst else 0.0,
         "snr_db_min": min((r["snr_db"] for r in rows), default=None),
         "output": file_fingerprint(os.path.join(dst, f["shard"])),
@@ -334,20 +491,26 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
     files, config, index and report, and mark the manifest complete (last)."""
     t0 = time.perf_counter()
     _refuse_linked_state(dst)
-    run = read_json(_state(dst, "run.json"))
+    run = read_json(_state(dst, IDENTITY))
     if run is None:
         raise OutputError("holds no k3convert state (nothing to finalize)", file=dst)
     if options is None:
         recorded = run.get("options") or {}
         options = Options(profile=recorded.get("profile"),
-                          drop_activation_quant=bool(recorded.get("drop_activation_quant")))
+                          drop_activation_quant=bool(recorded.get("drop_activation_quant")),
+                          scale_rule=recorded.get("scale_rule") or SCALE_RULE_DEFAULT)
     plan = plan or options.plan(run["source"])
-    lock = lock_file(_state(dst, "manifest.lock"))
-    fcntl.flock(lock, fcntl.LOCK_EX)  # several batch jobs may finish at once
-    try:
+    with lock_file(_state(dst, RUN_LOCK)) as using, lock_file(_state(dst, "manifest.lock")) as lock:
+        fcntl.flock(using, fcntl.LOCK_SH)  # DST is in use: --overwrite must not empty it meanwhile
+        fcntl.flock(lock, fcntl.LOCK_EX)   # several batch jobs may finish at once
         return _finalize_locked(dst, plan, options, run, t0)
-    finally:
-        lock.close()
+
+
+def _makedirs(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create the folder: {e.strerror}", file=path) from None
 
 
 def _source_record(plan: Plan, run: dict) -> dict[str, Any]:
@@ -356,10 +519,31 @@ def _source_record(plan: Plan, run: dict) -> dict[str, Any]:
             "config": run["config"], "shards": run["shards"]}
 
 
+def with_scale_rule(config: dict[str, Any], rule: str) -> dict[str, Any]:
+    """Name the scale rule in every compressed-tensors ``quantization_config`` of ``config``
+    (top-level and nested), so ``inspect`` and ``verify`` know which rule wrote the codes."""
+    for key, value in config.items():
+        if isinstance(value, dict):
+            if key == "quantization_config" and value.get("quant_method") == "compressed-tensors":
+                value[RULE_KEY] = rule
+            else:
+                with_scale_rule(value, rule)
+    return config
+
+
+def _rule_record(rule: str, figs: list[TensorFigures]) -> dict[str, Any]:
+    """The report's scale rule and the other rule's figures on the same weights (docs/maths.md)."""
+    cmp = [r.cmp_rel_rmse for r in figs if r.cmp_rel_rmse is not None]
+    ratio = error_ratio(figs)
+    return {"scale_rule": rule, "compare_rule": "optimal" if rule != "optimal" else "vllm-gfx942",
+            "cmp_rel_rmse_mean": mean(cmp) if cmp else None, "cmp_ratio": ratio,
+            "compare": ratio_line(ratio, rule)}
+
+
 def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: float) -> Summary:
     records = {s.name: shard_record(dst, s.name) for s in plan.shards}
     done = [s for s in plan.shards if records[s.name]]
-    rows = [r for s in done for r in read_rows(_state(dst, s.name + ".figures.jsonl.zst"))]
+    rows = [r for s in done for r in read_rows(state_file(dst, s.name, ".figures.jsonl.zst"))]
     figs = [TensorFigures(**r) for r in rows]
     worst = max(figs, key=lambda r: r.rel_rmse, default=None)
     failed = worst is not None and worst.rel_rmse > options.max_rel_rmse
@@ -368,38 +552,59 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
     summary = Summary(dst, len(done), len(plan.shards), len(figs), time.perf_counter() - t0,
                       sum(s.bytes_in for s in done), sum(s.bytes_out for s in done), layer_summary(figs),
                       status=status, worst=worst and {"tensor": worst.name, "rel_rmse": worst.rel_rmse})
+    summary.scale_rule, summary.cmp_ratio = options.scale_rule, error_ratio(figs)
     source = _source_record(plan, run)
     source_format = f"{plan.source.dialect} MXFP4"
     manifest = {
         "tool": "k3convert", "version": __version__, "status": status, "complete": False,
         "source_format": source_format, "target_format": TARGET_FORMAT, "activation": plan.activation,
-        "source": source, "options": run["options"], "digest_algorithm": DIGEST_ALGORITHM,
+        "source": source, "options": run["options"], "scale_rule": options.scale_rule,
+        "digest_algorithm": DIGEST_ALGORITHM,
         "shards": {n: r for n, r in records.items() if r},
     }
-    if all_done and not failed:
-        for rel in plan.other_files:
-            out = dest_file(dst, rel)
-            os.makedirs(os.path.dirname(out), exist_ok=True)
-            with open(os.path.join(plan.src, rel), "rb") as r, os.fdopen(fresh_file(out + ".tmp"), "wb") as w:
-                shutil.copyfileobj(r, w)
-            os.replace(out + ".tmp", out)
-        write_json(os.path.join(dst, "config.json"), plan.output_config())
-        total = sum(t.nbytes for s in plan.shards for t in s.layout.tensors)
-        write_json(os.path.join(dst, ckpt.INDEX),
-                   {"metadata": {"total_size": total}, "weight_map": dict(sorted(plan.weight_map().items()))})
-    if all_done or failed:
-        write_rows(os.path.join(dst, TENSOR_TABLE), rows)
-        write_json(os.path.join(dst, REPORT), {
-            "tool": "k3convert", "version": __version__, "source": plan.src, "status": status,
-            "profile": source["profile"], "quantization": source["quantization"],
-            "dropped_tensors": plan.dropped, "source_format": source_format, "target_format": TARGET_FORMAT,
-            "activation": plan.activation, "max_rel_rmse": options.max_rel_rmse, "tensors": len(figs),
-            "worst": summary.worst, "rel_rmse_mean": sum(r.rel_rmse for r in figs) / max(1, len(figs)),
-            "tensor_table": TENSOR_TABLE, "layers": summary.layers,
-        })
-    if all_done and not failed:
-        manifest["complete"] = True
-        manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        summary.complete = True
-    write_json(os.path.join(dst, MANIFEST), manifest)
+    # every file is first written under a temporary name, then all are renamed, the manifest
+    # last: a failure (a full disk, no inodes) on the way leaves no config or index that looks
+    # like a finished checkpoint, and no temporary
+    staged: list[tuple[str, str]] = []
+    try:
+        if all_done and not failed:
+            for rel in plan.other_files:
+                out = dest_file(dst, side_file_target(rel))
+                _makedirs(os.path.dirname(out))
+                staged.append((stage_copy(os.path.join(plan.src, rel), out), out))
+            total = sum(t.nbytes for s in plan.shards for t in s.layout.tensors)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(plan.weight_map().items()))}
+            config = with_scale_rule(plan.output_config(), options.scale_rule)
+            for p, obj in ((os.path.join(dst, ckpt.INDEX), index), (os.path.join(dst, "config.json"), config)):
+                staged.append((stage(p, json_bytes(obj)), p))
+        if all_done or failed:
+            table = os.path.join(dst, TENSOR_TABLE)
+            staged.append((stage(table, rows_bytes(rows)), table))
+            report = os.path.join(dst, REPORT)
+            staged.append((stage(report, json_bytes({
+                "tool": "k3convert", "version": __version__, "source": plan.src, "status": status,
+                "profile": source["profile"], "quantization": source["quantization"],
+                "dropped_tensors": plan.dropped, "source_format": source_format, "target_format": TARGET_FORMAT,
+                "activation": plan.activation, "max_rel_rmse": options.max_rel_rmse, "tensors": len(figs),
+                "worst": summary.worst, "rel_rmse_mean": mean(r.rel_rmse for r in figs),
+                **_rule_record(options.scale_rule, figs),
+                "tensor_table": TENSOR_TABLE, "layers": summary.layers,
+            })), report))
+        if all_done and not failed:
+            manifest["complete"] = True
+            manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        path = os.path.join(dst, MANIFEST)
+        staged.append((stage(path, json_bytes(manifest)), path))
+    except BaseException:
+        for tmp, _ in staged:
+            discard(tmp)
+        raise
+    try:
+        commit(staged)
+    except BaseException:  # renamed before the manifest failed: what would look like a finished checkpoint goes
+        for _, p in staged:
+            if os.path.basename(p) in (ckpt.INDEX, "config.json", REPORT, TENSOR_TABLE) and os.path.dirname(p) == dst:
+                discard(p)
+        raise
+    summary.complete = manifest["complete"]
     return summary

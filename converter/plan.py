@@ -20,7 +20,7 @@ from .errors import BadInput
 from .formats import checkpoint as ckpt
 from .formats.checkpoint import PACKED, SCALE, SHAPE
 from .formats.safetensors_io import Header, Layout, OutTensor, TensorInfo, read_header
-from .safepath import source_file, source_roots
+from .safepath import regular_problem, source_file, source_roots
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _EXPERT = re.compile(r"experts\.(\d+)\.")
@@ -200,6 +200,9 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
             problems.append(f"{where}: expected 2-D packed and scale, got {list(t.shape)} and {list(scale.shape)}")
             continue
         rows, cols = t.shape[0], 2 * t.shape[1]
+        if not rows or not cols:  # the kernels and the int4 layout need at least one group
+            problems.append(f"{where}: shape [{rows}, {cols}] has a zero dimension: not a weight matrix")
+            continue
         if cols % 32:
             problems.append(f"{where}: in-dim {cols} is not a multiple of 32")
             continue
@@ -219,13 +222,47 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
     return converts
 
 
+# Names DST gives its own files (and the prefix of ours): a source shard of such a name would be
+# converted and then overwritten, or taken for ours. The source's README.md is kept as
+# README_SOURCE (the model card of the int4 model is ours: converter.hub).
+README, README_SOURCE = "README.md", "README.source.md"
+OWN_NAMES = frozenset(("config.json", ckpt.INDEX, README, README_SOURCE))
+OWN_PREFIX = "k3convert_"
+TEMPORARY = re.compile(r"\.tmp\d*$|\.partial$")  # our temporaries (".tmp" alone: older versions)
+NAME_MAX = 255           # bytes in a file name (ext4, XFS, tmpfs, Lustre, GPFS)
+PARTIAL = ".partial"     # a shard is written as NAME.partial, then renamed
+
+
+def side_file_target(rel: str) -> str:
+    """Where a side file of SRC goes in DST: the same place, except the source's model card."""
+    return README_SOURCE if rel == README else rel
+
+
+def _shard_name_problem(shard: str, index: str) -> str | None:
+    """A shard name DST cannot hold beside its own files (D13), or cannot write (D10)."""
+    where = f"file {index}, shard {shard!r}"
+    if shard in OWN_NAMES or shard.startswith(OWN_PREFIX) or TEMPORARY.search(shard):
+        return f"{where}: k3convert writes a file of that name (or pattern) in DST itself: rename the shard"
+    if len(shard.encode()) + len(PARTIAL) > NAME_MAX:
+        return (f"{where}: the name is {len(shard.encode())} bytes, over {NAME_MAX - len(PARTIAL)}: k3convert writes "
+                f"it as NAME{PARTIAL} first, which must fit the file system's {NAME_MAX}-byte limit: rename the shard")
+    return None
+
+
 def _read_headers(src: str, by_shard: dict[str, list[str]], roots: tuple[str, ...],
                   problems: list[str]) -> dict[str, Header]:
     headers = {}
+    index = os.path.join(src, ckpt.INDEX)
     for shard in sorted(by_shard):
         path = os.path.join(src, shard)
-        if not os.path.exists(path):
+        if why := _shard_name_problem(shard, index):
+            problems.append(why)
+            continue
+        if not os.path.lexists(path):
             problems.append(f"file {path}: missing, but {ckpt.INDEX} names it for {len(by_shard[shard])} tensors")
+            continue
+        if why := regular_problem(path):
+            problems.append(f"file {path}: {why}")
             continue
         try:
             headers[shard] = read_header(source_file(src, shard, roots))
@@ -234,6 +271,10 @@ def _read_headers(src: str, by_shard: dict[str, list[str]], roots: tuple[str, ..
             continue
         problems += [f"file {path}, tensor {name}: in {ckpt.INDEX} but not in the shard"
                      for name in by_shard[shard] if name not in headers[shard].tensors]
+        listed = set(by_shard[shard])
+        problems += [f"file {path}, tensor {name}: in the shard but not in {ckpt.INDEX} (refusing to guess "
+                     "whether it belongs to the checkpoint: add it to the index or remove it)"
+                     for name in headers[shard].tensors if name not in listed]
     return headers
 
 
@@ -244,14 +285,23 @@ def _other_files(src: str, skip: set[str], roots: tuple[str, ...], problems: lis
         dirs[:] = sorted(x for x in dirs if not x.startswith("."))  # .cache (HF downloads), .git
         for f in sorted(files):
             rel = os.path.relpath(os.path.join(d, f), src)
-            if rel in skip or f.startswith("k3convert_") or f.startswith("."):
+            if rel in skip or f.startswith(OWN_PREFIX) or f.startswith("."):
                 continue
+            path = os.path.join(src, rel)
             try:
                 source_file(src, rel, roots)
             except BadInput as e:
                 problems.append(str(e))
                 continue
-            found.append(rel)
+            if why := regular_problem(path):
+                problems.append(f"file {path}: {why}")
+            elif f.endswith(".safetensors"):
+                problems.append(f"file {path}: a .safetensors file that {ckpt.INDEX} does not name: refusing to "
+                                "copy weights unconverted (add it to the index or remove it)")
+            elif rel == README_SOURCE or TEMPORARY.search(f):
+                problems.append(f"file {path}: k3convert uses that name (or pattern) in DST itself: rename it")
+            else:
+                found.append(rel)
     return found
 
 
@@ -262,9 +312,13 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
         raise BadInput("not a directory", file=src)
     roots = source_roots(src)
     config_path = source_file(src, "config.json", roots)
+    for name in ("config.json", ckpt.INDEX, ckpt.SINGLE):  # a FIFO would hang the read for ever
+        path = os.path.join(src, name)
+        if os.path.lexists(path) and (why := regular_problem(path)):
+            raise BadInput(why, file=path)
     config = ckpt.load_json(config_path)
     prof, why = profiles.choose(config, ckpt.dialect(config, config_path), profile, config_path)
-    source = ckpt.mxfp4_source(config, config_path, drop_activation_quant)
+    source = ckpt.mxfp4_source(config, config_path, drop_activation_quant, prof.source)
     act = ckpt.activation(config, config_path, prof.required_activation)
     wm = ckpt.weight_map(src)
     problems: list[str] = []

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import BadInput
+from .formats import dialect
 from .formats.checkpoint import dotted, is_mxfp4, quant_blocks
 
 if sys.version_info >= (3, 11):
@@ -22,6 +23,10 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 SHOWN = 8  # missing modules named in an error
+# bounds on the config numbers that size the expected-module table (Kimi K3: 61 layers,
+# 384 experts, 7168 wide); far above any real model, far below what would exhaust memory
+MAX_LAYERS, MAX_EXPERTS, MAX_DIM = 4096, 65536, 1 << 24
+MAX_MODULES = 10_000_000
 _TENSORS = ("weight_packed", "weight_scale", "weight")  # a quantized module's tensors, either dialect
 
 
@@ -80,6 +85,7 @@ def load(path: str) -> Profile:
     except tomllib.TOMLDecodeError as e:
         raise BadInput(f"profile is not valid TOML ({e})", file=path) from None
     try:
+        dialect.named(data["source"], path)  # a dialect that is registered (formats.dialect)
         return Profile(name=data["name"], path=path, description=data.get("description", ""),
                        source=data["source"], match=dict(data.get("match") or {}),
                        required_activation=tuple((data.get("activation") or {}).get("required", ["hidden_act"])),
@@ -160,15 +166,23 @@ def expected_modules(profile: Profile, config: dict) -> dict[str, tuple[int, int
     inv = profile.inventory
     if not inv:
         return None
+    def count(key: str, limit: int) -> int:
+        value = lookup(config, key)
+        if type(value) is not int or not 0 <= value <= limit:  # bounded before it sizes the table
+            raise BadInput(f"profile {profile.name!r}: config.json {key} is {str(value)[:40]}, expected an "
+                           f"integer in [0, {limit:,}]")
+        return value
+
     try:
-        first, last = (int(lookup(config, k)) for k in inv["layers"])
-        experts = int(lookup(config, inv["experts"]))
-        shapes = {proj: tuple(int(lookup(config, k)) for k in dims) for proj, dims in inv["shapes"].items()}
+        first, last = (count(k, MAX_LAYERS) for k in inv["layers"])
+        experts = count(inv["experts"], MAX_EXPERTS)
+        shapes = {proj: tuple(count(k, MAX_DIM) for k in dims) for proj, dims in inv["shapes"].items()}
     except KeyError as e:
         raise BadInput(f"profile {profile.name!r} needs {e.args[0]} in config.json") from None
-    except (TypeError, ValueError) as e:
-        raise BadInput(f"profile {profile.name!r}: a config.json value its inventory reads is not an integer "
-                       f"({e})") from None
+    n = max(0, last - first) * experts * len(shapes)
+    if n > MAX_MODULES:
+        raise BadInput(f"profile {profile.name!r}: config.json asks for {n:,} expert matrices ({last - first} "
+                       f"layers x {experts} experts x {len(shapes)}): more than {MAX_MODULES:,}, not a real model")
     return {inv["module"].format(layer=layer, expert=e, proj=proj): shape
             for layer in range(first, last) for e in range(experts) for proj, shape in shapes.items()}
 

@@ -9,6 +9,7 @@ path. Shard names must be plain file names; every file read from SRC must resolv
 from __future__ import annotations
 
 import os
+import stat
 from typing import IO
 
 from .errors import BadInput, OutputError
@@ -82,3 +83,76 @@ def lock_file(path: str) -> IO[str]:
         return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "a+")
     except OSError as e:
         raise OutputError(f"cannot open lock file ({e.strerror}; a symlink is refused)", file=path) from None
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words, for one-line errors."""
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def regular_problem(path: str) -> str | None:
+    """Why ``path`` (links followed) cannot be read as a shard, index or side file, or None.
+    Only the mode is looked at: a FIFO is never opened (that would wait for a writer)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return e.strerror
+    if not stat.S_ISREG(st.st_mode):
+        return f"is {file_kind(st.st_mode)}, not a regular file: refusing to read it"
+    return None
+
+
+def open_regular(path: str) -> int:
+    """Open ``path`` for reading only if it is a regular file; returns the descriptor.
+
+    A FIFO would block the open (and every read) for ever and a character device would
+    stream without end, so the open does not wait (O_NONBLOCK), the kind is checked on the
+    descriptor itself (no window between check and open), and anything else is refused
+    with BadInput naming what it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise BadInput(f"cannot read: {e.strerror}", file=path) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise BadInput(f"is {file_kind(mode)}, not a regular file: refusing to read it", file=path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _ids(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _chain(path: str) -> list[tuple[int, int]]:
+    """(device, inode) of ``path`` and every existing folder above it, physically (links
+    resolved first, so ``..`` means the real parent)."""
+    out, p = [], os.path.realpath(path)
+    while True:
+        ids = _ids(p)
+        if ids is not None:
+            out.append(ids)
+        up = os.path.dirname(p)
+        if up == p:
+            return out
+        p = up
+
+
+def contains(outer: str, inner: str) -> bool:
+    """True when ``inner`` is ``outer`` or lies inside it, compared by device and inode, so
+    that no alias (a symlink, a bind mount, a second mount of the file system) hides it."""
+    ids = _ids(outer)
+    return ids is not None and ids in _chain(inner)

@@ -1,10 +1,14 @@
-"""Will a server load DST? The int4 W4A16 MoE path of vLLM and SGLang on ROCm (gfx942).
+"""Will a server load DST, and run it with the right kernel? vLLM 0.33.0 and SGLang 0.5.23, per target.
 
-Every rule below was read from the servers' own source; ``docs/serving.md`` cites, for each,
-the file, the function and the condition it asserts, and says where a rule is our choice
-rather than the server's. The check reads only config.json and the shard headers (no tensor
-data), so it takes seconds on the 1.5 TB model. A failed rule gives one line: the rule, what
-is wrong, where the server enforces it, and what to change.
+Every rule below was read from the servers' released wheels (Python files; ``docs/serving.md``
+cites file and line) or shown by building vLLM's own Kimi K3 classes
+(``tests/test_vllm_quant_methods.py``). Besides the checkpoint's format, tensors and sizes, two
+rules model what the servers decide from it: ``names`` (the name each server looks the experts'
+scheme up by) and ``kernel`` (which MoE method and kernel DST gets on that target, whether it
+takes the checkpoint's activation, and what the experts cost in memory per rank). The check
+reads only config.json and the shard headers (no tensor data), so it takes seconds on the
+1.5 TB model. A failed rule gives one line: the rule, what is wrong, where the server enforces
+it, and what to change.
 """
 from __future__ import annotations
 
@@ -13,36 +17,65 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
+from .checks import Check
 from .errors import BadInput
 from .formats import checkpoint as ckpt
 from .formats.safetensors_io import TensorInfo, read_header
 from .plan import PACKED, SCALE
+from .vllm_plugin import route as plugin_route
 
-if TYPE_CHECKING:
-    from .verify import Check
 
-SERVERS = ("vllm-rocm", "sglang-rocm")
+@dataclass(frozen=True)
+class Server:
+    """A server release on one target, and the MoE method its code gives our DST's experts."""
+
+    family: str       # "vllm" or "sglang": whose rule texts apply
+    release: str
+    target: str
+    method: str
+
+
+SERVER_INFO: dict[str, Server] = {
+    "vllm-rocm": Server("vllm", "vLLM 0.33.0", "ROCm gfx942 (MI300X/MI325X)", "CompressedTensorsWNA16MoEMethod"),
+    "vllm-rocm-plugin": Server("vllm", "vLLM 0.33.0 + k3convert plugin",
+                               "ROCm gfx942, VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1",
+                               f"{plugin_route.NAME} (converter/vllm_plugin)"),
+    "vllm-cuda": Server("vllm", "vLLM 0.33.0", "CUDA, compute capability >= 7.5", "CompressedTensorsWNA16MoEMethod"),
+    "sglang-rocm": Server("sglang", "SGLang 0.5.23", "ROCm (HIP)", "CompressedTensorsWNA16TritonMoE"),
+    "sglang-cuda": Server("sglang", "SGLang 0.5.23", "CUDA", "CompressedTensorsWNA16MoE (Marlin)"),
+}
+SERVERS = tuple(SERVER_INFO)
 BITS = 4
 GROUP = 32                       # k3convert's target; see rule group-size
 PACK = 32 // BITS                # int4 values per int32 word
 DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 DEFAULT_DTYPE = "bfloat16"       # what the servers use when config states none (and K3 ships)
-# model types whose server loader maps experts.E.w1/w2/w3 only (vLLM and SGLang kimi_linear.py)
+# model types whose server loader maps experts.E.w1/w2/w3 only (vLLM and SGLang kimi_linear/kimi_k3)
 W123_MODELS = ("kimi_linear", "kimi_k3")
 SCHEMES = {"w123": ("w1", "w3", "w2"), "proj": ("gate_proj", "up_proj", "down_proj")}
 ROLE = {name: role for names in SCHEMES.values() for name, role in zip(names, ("gate", "up", "down"))}
 _EXPERT = re.compile(r"^(?P<layer>.*\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
+# the experts' module class each server matches class-name targets against ("Linear" is mapped onto it)
+MOE_CLASS = {"vllm": "RoutedExperts", "sglang": "FusedMoE"}
+KIMI_MIN_INTER_PER_RANK = 256    # vLLM's KimiMoE pads the per-rank intermediate up to this at TP > 1
+PLUGIN_ALIGN = 128               # per-rank sizes the plugin's kernel takes unpadded (docs/vllm_plugin.md)
+# activations vLLM's WNA16 kernels take: TritonWNA16Experts' allow-list, and apply_moe_activation's
+TRITON_ACTS = frozenset({"silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep",
+                         "silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul"})
+APPLY_ACTS = TRITON_ACTS | {"situ"}
 
-V_CT = "vllm compressed_tensors.py"
-V_MOE = "vllm compressed_tensors_moe.py get_moe_method"
-V_WNA16 = "vllm CompressedTensorsWNA16MoEMethod"
-V_MARLIN = "vllm CompressedTensorsWNA16MarlinMoEMethod.create_weights"
-V_LAYER = "vllm fused_moe/layer.py FusedMoE"
-S_CT = "sglang compressed_tensors.py"
-S_WNA16 = "sglang CompressedTensorsWNA16MoE"
-S_LAYER = "sglang fused_moe_triton/layer.py FusedMoE"
+V = "vllm 0.33.0 "
+V_CT = V + "compressed_tensors/compressed_tensors.py"
+V_MOE = V + "compressed_tensors_moe.py get_moe_method"
+V_WNA16 = V + "compressed_tensors_moe_wna16.py CompressedTensorsWNA16MoEMethod"
+V_ORACLE = V + "fused_moe/oracle/int_wna16.py"
+V_LAYER = V + "fused_moe FusedMoE"
+S = "sglang 0.5.23 "
+S_CT = S + "compressed_tensors/compressed_tensors.py"
+S_WNA16 = S + "compressed_tensors_wNa16_moe.py CompressedTensorsWNA16MoE"
+S_LAYER = S + "moe/fused_moe_triton/layer.py FusedMoE"
 
 
 @dataclass(frozen=True)
@@ -56,83 +89,113 @@ class Rule:
 
 
 def _both(vllm: str, sglang: str) -> dict[str, str]:
-    return {"vllm-rocm": vllm, "sglang-rocm": sglang}
+    """The same rule text for every server of a family."""
+    return {name: vllm if srv.family == "vllm" else sglang for name, srv in SERVER_INFO.items()}
 
+
+KERNEL_WHERE = {
+    "vllm-rocm": f"{V_ORACLE} 126-143: on gfx942 RDNA3, FlashInfer-TRTLLM, Marlin, Humming are not for this "
+                 f"device; TritonWNA16Experts (experts/triton_moe.py 681-693) has no situ; EMULATION "
+                 f"(experts/int4_emulation_moe.py, oracle 1413-1460) dequantizes to bf16 at load",
+    "vllm-rocm-plugin": "converter/vllm_plugin/route.py decide: AITER flydsl_a16w4_gemm1 with Situv2 "
+                        "(beta, linear_beta) on the int4 experts as stored; refuses what it does not understand",
+    "vllm-cuda": f"{V_ORACLE} 126-143: FlashInfer-TRTLLM takes silu/swigluoai only (experts/trtllm_mxint4_moe.py "
+                 f"69-73); MarlinExperts takes situ (experts/marlin_moe.py 623-626, fused_moe/activation.py 122-136) "
+                 f"if hidden % 128 == 0 and per-rank intermediate % group == 0 (quantization/utils/marlin_utils.py "
+                 f"356-387)",
+    "sglang-rocm": f"{S_CT} 919-923 -> CompressedTensorsWNA16TritonMoE, whose apply_weights asserts "
+                   f"activation == 'silu' (compressed_tensors_wNa16_moe.py 558)",
+    "sglang-cuda": f"{S_CT} 924-951 -> CompressedTensorsWNA16MoE (Marlin; Triton on SM100 by default), whose "
+                   f"apply_weights assert activation == 'silu' (compressed_tensors_wNa16_moe.py 454, 558)",
+}
 
 RULES: dict[str, Rule] = {r.id: r for r in (
     Rule("format", "quant_method compressed-tensors, format pack-quantized",
-         _both(f"{V_MOE}: format == pack_quantized else ValueError",
-               f"{S_WNA16}.__init__: quant_format == pack_quantized else ValueError"),
+         _both(f"{V_MOE} 90-102: format == pack_quantized and bits in (4, 8), else ValueError",
+               f"{S_WNA16}.__init__ 83-90: quant_format == pack_quantized, else ValueError"),
          "set quant_method 'compressed-tensors' and format 'pack-quantized' (block and config_groups)"),
     Rule("num-bits", "weights.num_bits 4",
-         _both(f"{V_WNA16}: packed_factor = 32 // num_bits sizes the int32 params",
-               f"{S_WNA16}: packed_factor = 32 // num_bits sizes the int32 params"),
+         _both(f"{V_WNA16}: packed_factor = 32 / num_bits sizes the int32 params (line 66)",
+               f"{S_WNA16}: packed_factor = 32 // num_bits sizes the int32 params (line 77)"),
          "set weights.num_bits 4 (the shards hold eight 4-bit values per int32)"),
     Rule("type", "weights.type int",
-         _both(f"{V_CT} _is_mxfp4: type float + 4 bits + group 32 routes to the MXFP4 MoE method",
+         _both(f"{V_CT} _is_mxfp4 440-456: type float + 4 bits + group 32 routes to the MXFP4 MoE method",
                f"{S_WNA16}: decodes the nibbles as int (uint4b8) whatever the type says"),
          "set weights.type 'int'"),
     Rule("symmetric", "weights.symmetric true",
-         _both(f"{V_WNA16}.__init__: assert weight_quant.symmetric",
+         _both(f"{V_WNA16}.create_weights 256-277: asymmetric makes weight_zero_point params, which the "
+               f"shards do not have",
                f"{S_CT} _is_wNa16_group_channel requires symmetric; {S_WNA16}.__init__ asserts it"),
          "set weights.symmetric true (zero point 8, no weight_zero_point tensors)"),
     Rule("strategy", "weights.strategy group",
-         _both(f"{V_WNA16}.__init__: assert weight_quant.strategy == 'group'",
-               f"{S_WNA16}.create_weights: strategy 'channel' makes one scale per row, not [out, in/32]"),
+         _both(f"{V_WNA16}.__init__ 127: assert weight_quant.strategy == 'group' (non-Marlin backends)",
+               f"{S_WNA16}.create_weights 155: strategy 'channel' makes one scale per row, not [out, in/32]"),
          "set weights.strategy 'group'"),
     Rule("group-size", f"weights.group_size {GROUP}",
-         _both(f"k3convert's target (vllm flydsl gfx950 path requires group_size == {GROUP})",
+         _both(f"k3convert's target (the gfx950 flydsl method and the plugin require group_size == {GROUP})",
                f"k3convert's target; the scale shapes and TP sizes below assume {GROUP}"),
          f"convert with group size {GROUP} and set weights.group_size {GROUP}"),
     Rule("actorder", "weights.actorder null",
-         _both(f"{V_MOE}: actorder group/dynamic -> ValueError; {V_WNA16}: assert actorder != 'group'",
-               f"{S_WNA16}.create_weights: any actorder loads full-K w2 scales, which the ROCm Triton "
+         _both(f"{V_ORACLE} 164, 201-205: RDNA3 and TRITON refuse actorder group",
+               f"{S_WNA16}.create_weights 141: any actorder loads full-K w2 scales, which the ROCm Triton "
                f"path does not shard"),
          "set weights.actorder null"),
     Rule("static", "weights.dynamic false",
-         _both(f"{V_CT} _is_wNa16_group_channel: is_static = not weight_quant.dynamic",
+         _both(f"{V_CT} _is_wNa16_group_channel 698-708: is_static = not weight_quant.dynamic",
                f"{S_CT} _is_wNa16_group_channel: is_static = not weight_quant.dynamic"),
          "set weights.dynamic false"),
     Rule("input-activations", "input_activations null (W4A16)",
-         _both(f"{V_CT} _is_wNa16_group_channel: input_quant is None, else a W4A8 method or "
+         _both(f"{V_CT} _is_wNa16_group_channel 698-708: input_quant is None, else a W4A8 method or "
                f"'Unsupported FusedMoe scheme'",
                f"{S_CT}: ignores input_activations under pack-quantized, so they would not be served"),
          "set config_groups.*.input_activations null"),
+    Rule("names", "the experts' scheme, looked up as <layer>.experts.0.gate_proj|up_proj|down_proj, is int4",
+         _both(f"{V_MOE} 35-58: asks the scheme of f'{{layer}}.0.{{gate|up|down}}_proj' (RoutedExperts' "
+               f"ckpt names, kimi_k3 passes none), ignored -> UnquantizedFusedMoEMethod, mixed -> ValueError; "
+               f"targets match by re.match/equality/class name (compressed_tensors/utils.py 73-111)",
+               f"{S_CT} get_moe_scheme 882-898: asks the scheme of layer_name + '.0.gate_proj|up_proj|"
+               f"down_proj', ignored -> unquantized, mixed -> ValueError"),
+         "select the routed experts by a pattern that also matches <layer>.experts.0.gate_proj|up_proj|"
+         "down_proj (k3convert writes re:.*\\.experts\\.\\d+\\.(w1|w2|w3|gate_proj|up_proj|down_proj)$) "
+         "and ignore nothing that matches those names"),
     Rule("packed", "weight_packed int32 [out, in/8]",
-         _both(f"{V_WNA16}.create_weights: int32 (E, in // 8, out) filled by copy_ (shape must match)",
+         _both(f"{V_WNA16}.create_weights 170-210: int32 (E, out, in // 8), N-first, filled by copy_",
                f"{S_WNA16}.create_weights: int32 (E, in // 8, out) filled by copy_ (shape must match)"),
          "store weight_packed as int32 [out, in/8] (convert with k3convert)"),
     Rule("scale-dtype", "weight_scale in the model dtype",
-         _both(f"{V_WNA16}.create_weights: scales are params_dtype; copy_ casts anything else",
+         _both(f"{V_WNA16}.create_weights 285-306: scales are params_dtype; copy_ casts anything else",
                f"{S_WNA16}.create_weights: scales are params_dtype; copy_ casts anything else"),
          "store weight_scale in the model dtype (config torch_dtype)"),
     Rule("scale-shape", f"weight_scale [out, in/{GROUP}]",
-         _both(f"{V_WNA16}.create_weights: scale (E, in // group_size, out), filled by copy_",
-               f"{S_WNA16}.create_weights: scale (E, in // group_size, out), filled by copy_"),
+         _both(f"{V_WNA16}.create_weights 254-255, 285-306: scale (E, out, in // group_size), filled by copy_",
+               f"{S_WNA16}.create_weights 158-159: scale (E, in // group_size, out), filled by copy_"),
          f"store weight_scale as [out, in/{GROUP}]"),
     Rule("expert-names", "experts named experts.E.w1/w2/w3 or gate_proj/up_proj/down_proj",
-         _both(f"{V_LAYER}.make_expert_params_mapping: 'experts.{{E}}.{{ckpt name}}.'; "
-               f"models/kimi_linear.py maps w1/w2/w3",
-               f"{S_LAYER}.make_expert_params_mapping; models/kimi_linear.py maps w1/w2/w3"),
+         _both(f"{V}models/kimi_k3/amd/linear.py 974-978: fused_moe_make_expert_params_mapping maps "
+               f"w1/w2/w3 (fused_moe/layer.py 466-484)",
+               f"{S}models/kimi_k3.py 3169-3172: FusedMoE.make_expert_params_mapping maps w1/w2/w3"),
          "name routed experts <layer>.experts.E.w1 (gate), .w3 (up), .w2 (down)"),
     Rule("expert-shapes", "every expert of a layer has gate, up, down of one shape",
-         _both(f"{V_LAYER}._load_w13/_load_w2: one (E, ...) param per layer, narrow + copy_",
+         _both(f"{V_LAYER} weight loaders: one (E, ...) param per layer, narrow + copy_",
                f"{S_LAYER}._load_w13/_load_w2: one (E, ...) param per layer, narrow + copy_"),
          "give every expert w1, w3 [inter, hidden] and w2 [hidden, inter], the same in each layer"),
     Rule("hidden-group", f"expert hidden size a multiple of {GROUP}",
-         _both(f"{V_MARLIN}: hidden_size % group_size -> ValueError; {V_WNA16}: hidden_size // group_size",
-               f"{S_WNA16}.create_weights: num_groups_w13 = hidden_size // group_size"),
+         _both(f"{V_WNA16}.create_weights 255: num_groups_w13 = hidden_size // group_size",
+               f"{S_WNA16}.create_weights 159: num_groups_w13 = hidden_size // group_size"),
          f"the experts' hidden (input) size must be a multiple of {GROUP}"),
     Rule("tp-intermediate", f"intermediate size divisible by TP, per-rank size a multiple of {GROUP}",
-         _both(f"{V_LAYER}: assert intermediate_size % tp_size == 0; {V_MARLIN}: "
-               f"intermediate_size_per_partition % group_size -> ValueError",
-               f"{S_LAYER}: assert intermediate_size % moe_tp_size == 0; {S_WNA16}: "
+         _both(f"{V}fused_moe/config.py 1352: assert intermediate_size % tp_size == 0; {V_WNA16}.create_weights "
+               f"254: num_groups_w2 = intermediate_size_per_partition // group_size",
+               f"{S_LAYER} 427: assert intermediate_size % moe_tp_size == 0; {S_WNA16} 158: "
                f"num_groups_w2 = intermediate_size_per_partition // group_size"),
          "use a TP size that fits, or expert parallelism (which does not split experts)"),
     Rule("config-sizes", "config's MoE sizes match the tensors",
-         _both("the server sizes (E, ...) params from config, then copy_ the tensors into them",
+         _both(f"{V}models/kimi_k3/amd/linear.py 207-221: FusedMoE sized from moe_intermediate_size and "
+               f"routed_expert_hidden_size (else hidden_size), then copy_",
                "the server sizes (E, ...) params from config, then copy_ the tensors into them"),
          "make config moe_intermediate_size / routed_expert_hidden_size (or hidden_size) match the tensors"),
+    Rule("kernel", "a MoE kernel that takes the experts' activation, at int4 memory", KERNEL_WHERE,
+         "serve K3 (SiTU) with vllm-rocm-plugin on gfx942 or vLLM on CUDA (vllm-cuda)"),
 )}
 
 
@@ -143,6 +206,7 @@ class RuleResult:
     rule: str
     ok: bool
     message: str
+    note: str = ""     # worth saying on a pass (not a failure)
 
 
 @dataclass(frozen=True)
@@ -152,6 +216,7 @@ class _Matrix:
     module: str
     packed: TensorInfo
     scale: TensorInfo | None
+    expert: tuple[str, int, str] | None = None   # _parse(module), parsed once
 
     @property
     def shape(self) -> tuple[int, int] | None:
@@ -199,14 +264,20 @@ def evaluate(config: dict | None, tensors: Mapping[str, TensorInfo], server: str
     found: dict[str, list[str]] = {rid: [] for rid in RULES}
     for rid, problem in [*_config_problems(config), *_tensor_problems(mats, DTYPES.get(dtype, dtype.upper())),
                          *_name_problems(mats, config), *(("expert-shapes", p) for p in shape_problems),
-                         *_size_problems(sizes, config, tp)]:
+                         *_size_problems(sizes, config, tp),
+                         *(("names", p) for p in lookup_problems(config, sizes, SERVER_INFO[server].family))]:
         found[rid].append(problem)
-    return [_result(RULES[rid], server, problems) for rid, problems in found.items()]
+    verdict = kernel(server, config, mats, sizes, tp)
+    if verdict.problem:
+        found["kernel"].append(verdict.problem)
+    notes = {"names": class_target_note(config, SERVER_INFO[server].family), "kernel": verdict.summary}
+    return [_result(RULES[rid], server, problems, notes.get(rid) or "") for rid, problems in found.items()]
 
 
-def _result(rule: Rule, server: str, problems: list[str]) -> RuleResult:
+def _result(rule: Rule, server: str, problems: list[str], note: str = "") -> RuleResult:
     if not problems:
-        return RuleResult(rule.id, True, f"rule {rule.id}: {rule.what}")
+        return RuleResult(rule.id, True, f"rule {rule.id}: {note if rule.id == 'kernel' else rule.what}",
+                          note if rule.id != "kernel" else "")
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     return RuleResult(rule.id, False,
                       f"rule {rule.id}: {problems[0]}{more} ({server}: {rule.where[server]}): {rule.fix}")
@@ -269,8 +340,8 @@ def _config_problems(config: dict | None) -> list[tuple[str, str]]:
 def _matrices(tensors: Mapping[str, TensorInfo]) -> list[_Matrix]:
     """Every module with a weight_packed, sorted by name."""
     suffix = "." + PACKED
-    return [_Matrix(n[: -len(suffix)], info, tensors.get(n[: -len(suffix)] + "." + SCALE))
-            for n, info in sorted(tensors.items()) if n.endswith(suffix)]
+    return [_Matrix(m, info, tensors.get(m + "." + SCALE), _parse(m))
+            for n, info in sorted(tensors.items()) if n.endswith(suffix) for m in (n[: -len(suffix)],)]
 
 
 def _tensor_problems(mats: list[_Matrix], dtype: str) -> list[tuple[str, str]]:
@@ -307,9 +378,9 @@ def _name_problems(mats: list[_Matrix], config: dict | None) -> list[tuple[str, 
         return [("expert-names", "no quantized expert matrices (no *.weight_packed tensors)")]
     out = [("expert-names", f"{m.module} is quantized but is not named <layer>.experts.E.<w1|w2|w3|"
                             f"gate_proj|up_proj|down_proj>")
-           for m in mats if _parse(m.module) is None]
-    schemes = Counter(next(s for s, names in SCHEMES.items() if p[2] in names)
-                      for p in map(_parse, (m.module for m in mats)) if p)
+           for m in mats if m.expert is None]
+    scheme_of = {name: s for s, names in SCHEMES.items() for name in names}
+    schemes = Counter(scheme_of[m.expert[2]] for m in mats if m.expert)
     kimi = sorted(_model_types(config) & set(W123_MODELS))
     if len(schemes) > 1:
         out.append(("expert-names", f"experts mix w1/w2/w3 ({schemes['w123']}) and gate_proj/up_proj/down_proj "
@@ -324,7 +395,7 @@ def _layer_sizes(mats: list[_Matrix]) -> tuple[dict[str, tuple[int, int]], list[
     """Per MoE layer, (intermediate, hidden) from its experts' shapes, and what is inconsistent."""
     layers: dict[str, dict[int, dict[str, tuple[int, int] | None]]] = {}
     for m in mats:
-        p = _parse(m.module)
+        p = m.expert
         if p:
             layers.setdefault(p[0], {}).setdefault(p[1], {})[ROLE[p[2]]] = m.shape
     sizes, problems = {}, []
@@ -394,16 +465,218 @@ def _by_size(sizes: dict[str, tuple[int, int]]) -> dict[tuple[int, int], list[st
     return out
 
 
+# ------------------------------------------------------------------------ names (scheme lookup)
+
+def _selects(name: str, cls: str, targets: list[str], ignore: list[str]) -> str | None:
+    """Which way the servers' compressed-tensors matcher answers for one looked-up name: None if a
+    target selects it, else why not (vLLM ct/utils.py 53-111 and config_utils.py 432-452; SGLang
+    compressed_tensors/utils.py 105-190, the same): ignore first (re.match or equality), then a
+    target by name, then by class name (re.match, or contained case-blind; "Linear" is also
+    mapped onto the experts' class)."""
+    hit = next((p for p in ignore if ckpt._matches(name, p)), None)
+    if hit is not None:
+        return f"ignore entry {hit!r} matches {name}"
+    if any(ckpt._matches(name, t) for t in targets):
+        return None
+    classes = [t for t in targets if t.startswith("re:") and ckpt._matches(cls, t)
+               or not t.startswith("re:") and (t.lower() in cls.lower() or t == "Linear")]
+    return None if classes else f"no target matches {name}"
+
+
+def lookup_problems(config: dict | None, sizes: Mapping[str, tuple[int, int]], family: str) -> list[str]:
+    """Per MoE layer and compressed-tensors block: the three names the server asks the experts'
+    scheme of must all be selected (else unquantized experts, or a mixed-scheme ValueError)."""
+    out = []
+    for path, block in ckpt.quant_blocks(config or {}):
+        if block.get("quant_method") != "compressed-tensors":
+            continue
+        groups = block.get("config_groups") if isinstance(block.get("config_groups"), dict) else {}
+        targets = [t for g in groups.values() if isinstance(g, dict) for t in g.get("targets") or []
+                   if isinstance(t, str)]
+        ignore = [i for i in block.get("ignore") or [] if isinstance(i, str)]
+        for layer in sorted(sizes):
+            whys = [_selects(f"{layer}.0.{p}", MOE_CLASS[family], targets, ignore) for p in SCHEMES["proj"]]
+            if all(whys):
+                out.append(f"{ckpt.dotted(path)}: {whys[0]}: the layer's experts load unquantized")
+            elif any(whys):
+                out.append(f"{ckpt.dotted(path)}: {next(w for w in whys if w)}, but not the other projections: "
+                           f"the server raises 'All MoE projections need to have same quantization scheme'")
+    return out
+
+
+def class_target_note(config: dict | None, family: str) -> str:
+    """A class-name target reaches every layer of that class the ignore list misses, under the
+    server's own names (fused layers, the MTP draft's model.layers.N): not provable from the
+    checkpoint alone, so said, not failed."""
+    classes = sorted({t for _, b in ckpt.quant_blocks(config or {}) for g in (b.get("config_groups") or {}).values()
+                      if isinstance(g, dict) for t in g.get("targets") or []
+                      if isinstance(t, str) and not t.startswith("re:") and "." not in t})
+    if not classes:
+        return ""
+    return (f"targets {classes} select by class: {family} quantizes every such layer its ignore list misses, "
+            f"under its own module names (fused layers, the MTP draft); tests/test_vllm_quant_methods.py shows "
+            f"one that goes wrong")
+
+
+# ------------------------------------------------------------------------ kernel and memory
+
+_ITEMSIZE = {"I32": 4, "BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I64": 8}
+
+
+def _nbytes(info) -> int:
+    n = _ITEMSIZE.get(info.dtype, 1)
+    for d in info.shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The routed experts' bytes per rank: as stored (int4 + scales) and dequantized to bf16."""
+
+    int4: int
+    bf16: int
+    layers: int
+
+    def text(self, tp: int) -> str:
+        return (f"{self.bf16 / 1e9:.3g} GB per rank of routed experts over {self.layers} MoE layer(s) at --tp {tp} "
+                f"(int4 as stored: {self.int4 / 1e9:.3g} GB)")
+
+
+def expert_memory(mats: list["_Matrix"], sizes: Mapping[str, tuple[int, int]], tp: int,
+                  kimi_pad: bool = False) -> Memory:
+    """From the headers: each MoE layer's expert tensors, split over ``tp`` along the intermediate
+    dim (all experts on every rank). ``kimi_pad``: vLLM's KimiMoE pads the per-rank intermediate
+    up to 256 at TP > 1 (models/kimi_k3/amd/linear.py 227-236), and the padding is stored too."""
+    int4, bf16 = 0.0, 0.0
+    for m in mats:
+        p = m.expert
+        shape = m.shape
+        if p is None or p[0] not in sizes or shape is None:
+            continue
+        inter = sizes[p[0]][0]
+        share = (_vllm_kimi_per_rank(inter, tp) if kimi_pad else inter / tp) / inter
+        int4 += (_nbytes(m.packed) + (_nbytes(m.scale) if m.scale is not None else 0)) * share
+        bf16 += shape[0] * shape[1] * 2 * share
+    return Memory(round(int4), round(bf16), len(sizes))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a server's code does with the experts: the kernel, and why it is wrong (or None)."""
+
+    summary: str
+    problem: str | None = None
+
+
+def activation(config: dict | None) -> dict:
+    """hidden_act (lower-case; the servers' default 'silu' when absent) and SiTU's betas."""
+    fields = {k: v for k, (v, _) in ckpt.activation_fields(config or {}).items()}
+    fields["hidden_act"] = str(fields.get("hidden_act", "silu")).lower()
+    return fields
+
+
+def kernel(server: str, config: dict | None, mats: list["_Matrix"], sizes: Mapping[str, tuple[int, int]],
+           tp: int) -> Verdict:
+    """The MoE method and kernel ``server`` gives these experts, as its code selects them."""
+    srv = SERVER_INFO[server]
+    act = activation(config)
+    name = act["hidden_act"]
+    kimi = bool(_model_types(config) & set(W123_MODELS))
+    mem = expert_memory(mats, sizes, tp, kimi_pad=kimi and srv.family == "vllm")
+    int4 = f"{mem.int4 / 1e9:.3g} GB per rank of int4 experts at --tp {tp}"
+    if name == "situ" and act.get("activation_situ_beta") is None:
+        return Verdict(f"{srv.method}: SiTU", "hidden_act is situ but activation_situ_beta is missing: vLLM's "
+                                              "SiTU asserts it (fused_moe/activation.py 361-370), SGLang's SituAndMul "
+                                              "needs it")
+    if server == "vllm-rocm-plugin":
+        return _plugin(config, act, mem, tp, int4, sizes)
+    if server == "vllm-rocm":
+        return _vllm_oracle(srv, name, mem, tp, int4, marlin=False)
+    if server == "vllm-cuda":
+        hidden_ok = all(h % 128 == 0 for _, h in sizes.values())
+        inter_ok = all((i // tp) % GROUP == 0 for i, _ in sizes.values())
+        return _vllm_oracle(srv, name, mem, tp, int4, marlin=hidden_ok and inter_ok)
+    line = "558" if server == "sglang-rocm" else "454 (Marlin), 558 (Triton)"
+    if name != "silu":
+        return Verdict(f"{srv.method}: asserts silu",
+                       f"{srv.release} on {srv.target} gives the experts {srv.method}, whose apply_weights asserts "
+                       f"activation == 'silu' (compressed_tensors_wNa16_moe.py {line}): the first forward with "
+                       f"hidden_act {name!r} raises AssertionError")
+    return Verdict(f"{srv.method}, int4 Triton/Marlin kernel, silu: {int4}")
+
+
+def _vllm_oracle(srv: Server, act: str, mem: Memory, tp: int, int4: str, marlin: bool) -> Verdict:
+    """vLLM's WNA16 backend oracle (fused_moe/oracle/int_wna16.py 126-143, 338-363) for our weight key
+    (int4 group 32, symmetric, no zero points)."""
+    if act not in APPLY_ACTS:
+        return Verdict(f"{srv.method}: no backend", f"no WNA16 MoE backend takes activation {act!r} "
+                                                    f"(NotImplementedError at start-up)")
+    if marlin:
+        return Verdict(f"{srv.method} -> MARLIN (MarlinExperts; Humming ranks first on SM90 if installed), "
+                       f"takes {act}: {int4}")
+    if act in TRITON_ACTS:
+        return Verdict(f"{srv.method} -> TRITON (TritonWNA16Experts), {act}: {int4}")
+    why = "Marlin is CUDA-only and TRITON has no situ" if srv.target.startswith("ROCm") else \
+        "Marlin needs hidden % 128 == 0 and per-rank intermediate % 32 == 0, TRITON has no situ"
+    return Verdict(f"{srv.method} -> EMULATION",
+                   f"{srv.release} on {srv.target} gives the experts {srv.method} -> EMULATION ({why}): "
+                   f"bf16 dequantization at load, {mem.text(tp)}")
+
+
+def _vllm_kimi_per_rank(inter: int, tp: int) -> int:
+    """vLLM KimiMoE's per-rank intermediate size: I / tp, padded up to 256 at TP > 1."""
+    return max(inter // tp, KIMI_MIN_INTER_PER_RANK) if tp > 1 else inter
+
+
+def _plugin(config: dict | None, act: dict, mem: Memory, tp: int, int4: str,
+            sizes: Mapping[str, tuple[int, int]]) -> Verdict:
+    """The plugin's own decision (converter/vllm_plugin/route.py) on a gfx942 machine with AITER MoE on,
+    vLLM 0.33 and an aiter whose a16w4 stage-1 takes SiTUv2; stock vLLM decides when it stays out."""
+    srv = SERVER_INFO["vllm-rocm-plugin"]
+    blocks = [b for _, b in ckpt.quant_blocks(config or {})]
+
+    def gemm1(*args, act=None, situ_beta=None, situ_linear_beta=None, **kw):   # the aiter the server needs
+        raise NotImplementedError
+
+    machine = plugin_route.Machine(is_rocm=True, on_gfx942=True, aiter_moe_enabled=True, vllm_version="0.33.0",
+                                   gemm1=gemm1)
+    try:
+        name = plugin_route.decide(blocks[0] if blocks else None, None, config or {}, machine)
+    except plugin_route.Refused as e:
+        return Verdict(f"{srv.method}: refused", str(e))
+    if name is None:
+        stock = _vllm_oracle(SERVER_INFO["vllm-rocm"], act["hidden_act"], mem, tp, int4, marlin=False)
+        return Verdict(f"plugin stays out, stock vLLM: {stock.summary}", stock.problem)
+    from .vllm_plugin import layout as plugin_layout   # imports torch: only for this server
+
+    for layer, (inter, hidden) in sorted(sizes.items()):
+        per_rank = _vllm_kimi_per_rank(inter, tp)
+        why = (f"hidden size {hidden} or per-rank intermediate size {per_rank} is not a multiple of "
+               f"{PLUGIN_ALIGN}" if hidden % PLUGIN_ALIGN or per_rank % PLUGIN_ALIGN else None) or \
+            plugin_layout.check_dims(2 * per_rank, hidden) or plugin_layout.check_dims(hidden, per_rank)
+        if why:
+            return Verdict(f"{srv.method}: refused at load",
+                           f"{plugin_route.PREFIX} {layer}: {why} at --tp {tp}: the plugin refuses sizes its "
+                           f"kernel would pad (converter/vllm_plugin/moe_method.py maybe_roundup_sizes)")
+    return Verdict(f"{srv.method}: AITER a16w4 (flydsl_a16w4_gemm1) with Situv2 beta "
+                   f"{act.get('activation_situ_beta')} linear_beta {act.get('activation_situ_linear_beta')}, "
+                   f"no dequantization: {int4}")
+
+
 # ------------------------------------------------------------------------ for `verify`
 
 def serving_check(config: dict | None, tensors: Mapping[str, TensorInfo], server: str, tp: int) -> Check:
     """The rules as one ``verify`` Check named "serving" (one problem line per failed rule)."""
-    from .verify import Check  # verify imports this module lazily: no import cycle
-
     results = evaluate(config, tensors, server, tp)
-    c = Check("serving", f"{server} int4 W4A16 MoE path at --tp {tp}: "
+    srv = SERVER_INFO[server]
+    c = Check("serving", f"{server} ({srv.release}, {srv.target}) at --tp {tp}: "
                          f"{sum(r.ok for r in results)}/{len(results)} rules pass")
     for r in results:
         if not r.ok:
             c.fail(r.message)
+        elif r.rule == "kernel":
+            c.notes.append(r.message.removeprefix("rule kernel: "))
+        if r.note:
+            c.notes.append(r.note)
     return c

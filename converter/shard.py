@@ -9,6 +9,7 @@ fresh pages costs more than the copy itself): memory does not grow with the shar
 """
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -21,11 +22,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .errors import BadInput
+from .errors import BadInput, OutputError
+from .formats import mxfp4
 from .formats.checkpoint import PACKED, SCALE, SHAPE
 from .formats.safetensors_io import ShardWriter
 from .plan import Convert, Copy, ShardPlan
+from .safepath import open_regular
 from .quant.requant import STAT_FIELDS, Result
+from .quant.rules import RULES
 from .validate import TensorFigures, figures, output_error, probe
 
 COPY_PIECE = 16 << 20
@@ -114,7 +118,10 @@ class _Pool:
 def _pread(fd: int, buf: np.ndarray, offset: int, path: str, name: str) -> None:
     view = memoryview(buf).cast("B")
     while view:
-        n = os.preadv(fd, [view], offset)
+        try:
+            n = os.preadv(fd, [view], offset)
+        except OSError as e:  # EIO from a failing disk: the source file, not DST's of that name
+            raise OutputError(f"cannot read the source: {e.strerror}", file=path, tensor=name) from None
         if n == 0:
             raise BadInput("unexpected end of file (truncated)", file=path, tensor=name)
         view, offset = view[n:], offset + n
@@ -142,6 +149,17 @@ def _units(sp: ShardPlan, batch_groups: int):
         yield _Batch(batch)
 
 
+def _scale_refusal(items: list[Convert], index: int, why: str) -> BadInput:
+    """BadInput naming the file, tensor and group of a batch's ``index``-th group."""
+    for c in items:
+        if index < c.groups:
+            per_row = c.cols // 32
+            return BadInput(f"group {index % per_row} of row {index // per_row}: {why}",
+                            file=c.scale.path, tensor=c.scale.name)
+        index -= c.groups
+    raise AssertionError("group index outside the batch")
+
+
 class ShardConverter:
     """Converts shards with one requantizer (CPU or GPU kernel) on ``device``.
 
@@ -151,8 +169,14 @@ class ShardConverter:
 
     def __init__(self, requantize: Requantizer, device: str = "cpu", batch_groups: int = 1 << 20,
                  sample: Callable[[Convert], bool] = lambda c: True, readers: int = 3, writers: int = 2,
-                 scale_shift: int = 0):
+                 scale_shift: int = 0, rule: str = "optimal", server: Requantizer | None = None):
         self.requantize, self.device = requantize, torch.device(device)
+        if rule not in RULES:
+            raise BadInput(f"--scale-rule: {rule!r} is not one of {', '.join(RULES)}")
+        if server is None:
+            from .kernels import server_requantizer
+            server = server_requantizer(str(self.device))
+        self.rule, self.server, self._scratch_buf = rule, server, None  # server: the vllm-gfx942 rule's kernel
         self.batch_groups, self.sample, self.scale_shift = batch_groups, sample, scale_shift % 256
         self.readers, self.writers = readers, writers
         self.pin = self.device.type == "cuda"
@@ -189,6 +213,9 @@ class ShardConverter:
                 _pread(fds[c.packed.path], pn[g:g + c.groups], c.packed.start, c.packed.path, c.packed.name)
                 _pread(fds[c.scale.path], sn[g:g + c.groups], c.scale.start, c.scale.path, c.scale.name)
                 g += c.groups
+            bad = mxfp4.refused_scale(pn, sn, 127 - self.scale_shift)  # on the stored bytes, before the shift
+            if bad is not None:
+                raise _scale_refusal(unit.items, *bad)
             if self.scale_shift:
                 np.add(sn, self.scale_shift, out=sn)  # uint8: wraps mod 256 (254 + 2 = 0)
             unit.packed, unit.scales = packed, scales
@@ -200,19 +227,35 @@ class ShardConverter:
         dev = self.device
         groups = offsets[-1]
         out_packed, out_scales = out_buf[0][:groups], out_buf[1][:groups].view(torch.bfloat16)
+        # the rule written, and the other one whose figures the report sets beside ours
+        write, other = (self.requantize, self.server) if self.rule == "optimal" else (self.server, self.requantize)
         if dev.type == "cpu":
             packed, scales = batch.packed, batch.scales
-            res = self.requantize(packed, scales, offsets, out=(out_packed, out_scales))
+            res = write(packed, scales, offsets, out=(out_packed, out_scales))
         else:
             packed = batch.packed.to(dev, non_blocking=True)
             scales = batch.scales.to(dev, non_blocking=True)
-            res = self.requantize(packed, scales, offsets)
+            res = write(packed, scales, offsets)
             out_packed.copy_(res.packed, non_blocking=True)
             out_scales.copy_(res.scales, non_blocking=True)
+        cmp = None  # the other rule over the batch, unless the kernel gave its error on the way (numba)
+        if self.rule != "optimal" or res.server_err2 is None:
+            with stages.time("compare"):
+                cmp = other(packed, scales, offsets, **({"out": self._scratch(groups)} if dev.type == "cpu" else {}))
         with stages.time("compute_sync"):
             stats = res.stats.cpu().tolist()  # stream-ordered: the copies above are done too
+            cmp_stats = cmp.stats.cpu().tolist() if cmp is not None else None
+            server_err2 = res.server_err2.tolist() if cmp is None else None
         pieces, figs = [], []
         nan_col, oor_col = STAT_FIELDS.index("nan_scale"), STAT_FIELDS.index("out_of_range")
+
+        def out_error(c: Convert, lo: int, hi: int, words: torch.Tensor, wscales: torch.Tensor) -> float:
+            if dev.type == "cpu":
+                return self._cpu_output_error(batch.packed[lo:hi], batch.scales[lo:hi], words, wscales, c.cols,
+                                              probe(c.cols))
+            return output_error(packed[lo:hi].reshape(c.rows, c.cols // 2), scales[lo:hi].reshape(c.rows, c.cols // 32),
+                                words.reshape(c.rows, -1).view(torch.int32), wscales.reshape(c.rows, c.cols // 32))
+
         for i, c in enumerate(batch.items):
             lo, hi = offsets[i], offsets[i + 1]
             st = stats[i]
@@ -221,27 +264,38 @@ class ShardConverter:
                 raise BadInput(f"{int(st[nan_col])} E8M0 scale byte(s) are 255 (NaN){shifted}",
                                file=c.scale.path, tensor=c.scale.name)
             if st[oor_col]:
+                why = ("E8M0 exponent too close to 0 or 254" if self.rule == "optimal" else
+                       "the server's rule dequantizes them to inf: E8M0 exponent 253 or 254")
                 raise BadInput(f"{int(st[oor_col])} group(s) need an int4 scale outside bf16's normal range "
-                               "(E8M0 exponent too close to 0 or 254)", file=c.scale.path, tensor=c.scale.name)
-            out_rel = None
+                               f"({why})", file=c.scale.path, tensor=c.scale.name)
+            if cmp is None:
+                cmp_err2 = server_err2[i]
+            elif cmp_stats[i][oor_col]:  # the other rule cannot write this tensor
+                cmp_err2 = math.inf if self.rule == "optimal" else None
+            else:
+                cmp_err2 = cmp_stats[i][0]
+            out_rel = cmp_out = None
             if self.sample(c):
                 with stages.time("sample"):
-                    if dev.type == "cpu":
-                        out_rel = self._cpu_output_error(batch.packed[lo:hi], batch.scales[lo:hi], out_packed[lo:hi],
-                                                         out_scales[lo:hi], c.cols, probe(c.cols))
-                    else:
-                        out_rel = output_error(
-                            packed[lo:hi].reshape(c.rows, c.cols // 2), scales[lo:hi].reshape(c.rows, c.cols // 32),
-                            res.packed[lo:hi].reshape(c.rows, -1).view(torch.int32),
-                            res.scales[lo:hi].reshape(c.rows, c.cols // 32))
+                    out_rel = out_error(c, lo, hi, res.packed[lo:hi], res.scales[lo:hi])  # on the CPU: the out buffers
+                    if cmp_err2 is not None and math.isfinite(cmp_err2):
+                        other_res = cmp if cmp is not None else other(batch.packed[lo:hi], batch.scales[lo:hi])
+                        at = slice(lo, hi) if cmp is not None else slice(0, hi - lo)
+                        cmp_out = out_error(c, lo, hi, other_res.packed[at], other_res.scales[at])
             # scales are finite by construction: groups that would not be raise above
-            figs.append(figures(f"{c.module}.{PACKED}", c.layer, st[0], st[1], st[2], 0, out_rel))
+            figs.append(figures(f"{c.module}.{PACKED}", c.layer, st[0], st[1], st[2], 0, out_rel, cmp_err2, cmp_out))
             pieces += [
                 (f"{c.module}.{PACKED}", out_packed[lo:hi].numpy()),
                 (f"{c.module}.{SCALE}", out_scales[lo:hi].view(torch.uint8).numpy()),
                 (f"{c.module}.{SHAPE}", np.array([c.rows, c.cols], dtype="<i8")),
             ]
         return pieces, figs
+
+    def _scratch(self, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """CPU buffers for the other rule's bytes (used by the compute thread only)."""
+        if self._scratch_buf is None or self._scratch_buf[0].shape[0] < groups:
+            self._scratch_buf = (torch.empty((groups, 16), dtype=torch.uint8), torch.empty(groups, dtype=torch.bfloat16))
+        return self._scratch_buf[0][:groups], self._scratch_buf[1][:groups]
 
     @staticmethod
     def _write(writer: ShardWriter, pieces, offset: int, pool: _Pool | None, buf, progress, nbytes: int,
@@ -269,7 +323,7 @@ class ShardConverter:
         writer = ShardWriter(os.path.join(dst_dir, sp.name), sp.layout)
         try:  # from here on anything (Ctrl-C too) drops the .partial
             for p in sp.sources:
-                fds[p] = os.open(p, os.O_RDONLY)
+                fds[p] = open_regular(p)
                 os.posix_fadvise(fds[p], 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead
             progress(sp.header_bytes)  # progress counts source bytes read: the header, then tensors
             with ThreadPoolExecutor(self.readers, "k3-read") as rd, ThreadPoolExecutor(self.writers, "k3-write") as wr:

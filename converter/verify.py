@@ -12,97 +12,66 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .checks import Check, VerifyResult
 from .errors import BadInput, ConvertError, VerifyFailed
 from .formats import checkpoint as ckpt
 from .formats.safetensors_io import Header, TensorInfo, read_header
-from .digest import file_digest
+from .digest import ALGORITHM as DIGEST_ALGORITHM, file_digest
+from .formats.dialect import TARGET_FORMAT
+from .formats.json_input import ListOf, MapOf, Nullable, type_problems
 from .manifest import MANIFEST, REPORT, TENSOR_TABLE, read_json, read_rows
 from .safepath import plain_name
 from .plan import PACKED, SCALE, SHAPE
+from .quant.rules import RULE_KEY, RULES as SCALE_RULES
+from .serving import serving_check
+from .validate import error_ratio, ratio_line
 
 REL_TOL = 1e-6         # re-decoded relative RMSE vs the recorded figure
 OPT_GROUPS = 8         # groups per tensor checked against a brute-force optimum
 OPT_TENSORS = 8        # tensors whose groups are checked that way (the first sampled ones)
-SHOWN = 20             # problems printed per check
-
-
-@dataclass
-class Check:
-    """One line of the report: a named check, what it covered, and what it found wrong."""
-
-    name: str
-    summary: str = ""
-    problems: list[str] = field(default_factory=list)
-    skipped: bool = False
-    notes: list[str] = field(default_factory=list)   # worth saying, not a failure
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def fail(self, message: str) -> None:
-        self.problems.append(message)
-
-    @property
-    def status(self) -> str:
-        return "SKIP" if self.skipped else ("PASS" if self.ok else "FAIL")
-
-
-@dataclass
-class VerifyResult:
-    dst: str
-    checks: list[Check] = field(default_factory=list)
-    decoder: str | None = None   # which int4 reader the re-decode used
-    sampled: int = 0             # converted tensors re-decoded
-
-    @property
-    def problems(self) -> list[str]:
-        return [f"{c.name}: {p}" for c in self.checks for p in c.problems]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def check(self, name: str) -> Check:
-        return next(c for c in self.checks if c.name == name)
-
-    def raise_if_failed(self) -> None:
-        if not self.ok:
-            shown = self.problems[:SHOWN]
-            more = len(self.problems) - len(shown)
-            raise VerifyFailed(f"{len(self.problems)} verification problem(s):\n  " + "\n  ".join(shown)
-                               + (f"\n  ... and {more} more" if more else ""), file=self.dst)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"dst": self.dst, "ok": self.ok, "decoder": self.decoder, "sampled": self.sampled,
-                "checks": [{"name": c.name, "status": c.status, "summary": c.summary, "problems": c.problems,
-                            "notes": c.notes}
-                           for c in self.checks]}
-
-    def format(self) -> str:
-        """The pass/fail list for the terminal."""
-        lines = [f"verify {self.dst}"]
-        for c in self.checks:
-            lines.append(f"  {c.status}  {c.name:<12} {c.summary}")
-            for p in c.problems[:SHOWN]:
-                lines.append(f"        - {p}")
-            lines += [f"        note: {n}" for n in c.notes]
-            if len(c.problems) > SHOWN:
-                lines.append(f"        ... and {len(c.problems) - SHOWN} more")
-        n = len(self.problems)
-        lines.append(f"result: {'PASS' if self.ok else 'FAIL'}" + (f" ({n} problem(s))" if n else ""))
-        return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- loading
 
-def _read_obj(path: str, check: Check | None) -> dict | None:
-    """A JSON file of DST; a missing or corrupt one is a problem of ``check`` (or unreadable input)."""
+# The types of the DST fields verify reads (formats.json_input.type_problems): a field of
+# another type fails verification naming it (exit 5), never a TypeError further on.
+_FINGERPRINT = {"size": int, "edge_blake2b": str, "mtime_ns": int}
+MANIFEST_TYPES = {
+    "tool": str, "version": str, "status": str, "complete": bool, "source_format": str, "target_format": str,
+    "digest_algorithm": str, "activation": dict, "options": dict,
+    "source": {"path": str, "shards": MapOf(_FINGERPRINT), "profile": dict,
+               "quantization": {"dialect": str, "packed_suffix": str, "scale_bias": int, "blocks": ListOf(str)}},
+    "shards": MapOf({"bytes": int, "digest": str}),
+}
+INDEX_TYPES = {"metadata": {"total_size": int}, "weight_map": MapOf(str)}
+CONFIG_TYPES = {"text_config": Nullable(dict)}
+BLOCK_TYPES = {
+    "quant_method": str, "format": str, "quantization_status": str, "ignore": ListOf(str),
+    "config_groups": MapOf({"targets": ListOf(str), "format": Nullable(str),
+                            "input_activations": Nullable(dict), "output_activations": Nullable(dict),
+                            "weights": Nullable({"num_bits": int, "type": str, "symmetric": bool, "strategy": str,
+                                                 "group_size": int, "dynamic": bool, "actorder": Nullable(str)})}),
+}
+REPORT_TYPES = {"tensors": int}
+ROW_TYPES = {"name": str, "rel_rmse": float, "max_abs": float}
+
+
+def _typed(obj: Any, types: Any, path: str, where: str = "") -> None:
+    """VerifyFailed (exit 5) naming every field of ``obj`` whose type is not what verify reads."""
+    problems = type_problems(obj, types, where)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise VerifyFailed("; ".join(problems[:3]) + more, file=path)
+
+
+def _read_obj(path: str, check: Check | None, types: Any = None) -> dict | None:
+    """A JSON file of DST; a missing or corrupt one is a problem of ``check`` (or unreadable input);
+    one that is not an object, or has a field of another type than ``types`` says, VerifyFailed."""
     try:
         obj = read_json(path)
     except ConvertError as e:
@@ -112,6 +81,8 @@ def _read_obj(path: str, check: Check | None) -> dict | None:
         return None
     if obj is None and check is not None:
         check.fail(f"{os.path.basename(path)} is missing")
+    if obj is not None:
+        _typed(obj, types or {}, path)
     return obj
 
 
@@ -129,11 +100,13 @@ def _load(dst: str, files: Check, index_c: Check, config_c: Check) -> _Dst:
     dst = os.path.abspath(dst)
     if not os.path.isdir(dst):
         raise BadInput("not a directory", file=dst)
-    manifest = _read_obj(os.path.join(dst, MANIFEST), None)
+    manifest = _read_obj(os.path.join(dst, MANIFEST), None, MANIFEST_TYPES)
     if manifest is None:
         raise BadInput(f"no {MANIFEST}: not a k3convert output directory", file=dst)
-    index = _read_obj(os.path.join(dst, ckpt.INDEX), index_c)
-    config = _read_obj(os.path.join(dst, "config.json"), config_c)
+    index = _read_obj(os.path.join(dst, ckpt.INDEX), index_c, INDEX_TYPES)
+    config = _read_obj(os.path.join(dst, "config.json"), config_c, CONFIG_TYPES)
+    for path, block in ckpt.quant_blocks(config or {}):
+        _typed(block, BLOCK_TYPES, os.path.join(dst, "config.json"), ckpt.dotted(path))
     # shard names read from DST's own files are untrusted too: nothing outside DST is opened
     names = {plain_name(n, os.path.join(dst, MANIFEST)) for n in manifest.get("shards") or {}}
     wm = (index or {}).get("weight_map")
@@ -166,6 +139,18 @@ def _check_manifest(d: _Dst) -> Check:
         c.fail(f"tool is {m.get('tool')!r}, not 'k3convert'")
     if m.get("complete") is not True:
         c.fail(f"not complete (status {m.get('status')!r}): finish the conversion first")
+    elif m.get("status") != "complete":
+        c.fail(f"complete, but status is {m.get('status')!r}, not 'complete'")
+    # what the manifest says DST holds and how its digests were taken: exactly what this tool writes
+    if m.get("target_format") != TARGET_FORMAT:
+        c.fail(f"target_format is {m.get('target_format')!r}, not {TARGET_FORMAT!r}")
+    if m.get("digest_algorithm") != DIGEST_ALGORITHM:
+        c.fail(f"digest_algorithm is {m.get('digest_algorithm')!r}: the checksums are taken as "
+               f"{DIGEST_ALGORITHM!r}")
+    dialect = ((m.get("source") or {}).get("quantization") or {}).get("dialect")
+    if dialect not in ckpt.DIALECTS or m.get("source_format") != f"{dialect} MXFP4":
+        c.fail(f"source_format is {m.get('source_format')!r}, source.quantization.dialect {dialect!r}: "
+               f"expected one of {', '.join(repr(f'{n} MXFP4') for n in sorted(ckpt.DIALECTS))}, naming the dialect")
     leftovers = sorted(f for f in os.listdir(d.path) if f.endswith(".partial"))
     if leftovers:
         c.notes.append(f"unfinished file(s) of an interrupted run, not part of the output: {', '.join(leftovers)}")
@@ -235,6 +220,8 @@ def int4_block_problems(block: dict) -> list[str]:
         out.append(f"quant_method is {block.get('quant_method')!r}, not 'compressed-tensors'")
     if block.get("format") != "pack-quantized":
         out.append(f"format is {block.get('format')!r}, not 'pack-quantized'")
+    if block.get("quantization_status") != "compressed":  # "frozen": a loader reads the weights as bf16
+        out.append(f"quantization_status is {block.get('quantization_status')!r}, not 'compressed'")
     groups = block.get("config_groups") or {}
     if not groups:
         out.append("has no config_groups")
@@ -246,6 +233,9 @@ def int4_block_problems(block: dict) -> list[str]:
         w = g.get("weights") or {}
         out += [f"config_groups.{gname}.weights.{k} is {w.get(k)!r}, expected {v!r}"
                 for k, v in want.items() if w.get(k) != v]
+        # absent means the default (compressed-tensors QuantizationArgs): static, contiguous groups
+        out += [f"config_groups.{gname}.weights.{k} is {w.get(k)!r}, expected {v!r}"
+                for k, v in (("dynamic", False), ("actorder", None)) if w.get(k, v) != v]
         if g.get("input_activations"):
             out.append(f"config_groups.{gname} quantizes input activations (W4A16 expected)")
     return out
@@ -259,8 +249,64 @@ def _check_config(d: _Dst, c: Check) -> Check:
         c.fail("no quantization_config (top-level or nested)")
     for path, block in blocks:
         c.problems += [f"{'.'.join(path)} {p}" for p in int4_block_problems(block)]
+    if not c.problems:
+        c.problems += selection_problems(blocks, converted_modules(d),
+                                         sorted({t[:-7] for t in d.where if t.endswith(".weight")}))
     c.summary = "quantization_config at " + (", ".join(".".join(p) for p, _ in blocks) or "nowhere")
     return c
+
+
+def _name_matcher():
+    """compressed-tensors' own ``is_match`` (the loader's rule), else ours (same ``re:`` semantics)."""
+    try:
+        from compressed_tensors.utils.match import is_match
+        return is_match
+    except ImportError:
+        def is_match(name, module, targets, ignore=()):
+            cls = type(module).__name__
+            return any(ckpt._matches(name, t) or t == cls for t in targets) and \
+                not any(ckpt._matches(name, i) or i == cls for i in ignore)
+        return is_match
+
+
+def selection_problems(blocks: list[tuple[tuple[str, ...], dict]], converted: list[str], plain: list[str],
+                       shown: int = 5) -> list[str]:
+    """Whether the config's targets and ignore lists select exactly the converted modules.
+
+    Decided by compressed-tensors' matcher on the module names a loader sees: a converted
+    module (a Linear) must be selected by some group; a module left in bf16 (``X.weight``) must
+    not be selected by name, or a loader would look for int4 tensors it lacks. Class targets
+    ("Linear") are left to the ignore list for bf16 modules: names alone cannot tell a Linear.
+    """
+    import torch.nn as nn
+
+    is_match = _name_matcher()
+    linear, unknown = nn.Linear(1, 1, device="meta"), nn.Module()
+
+    def split(patterns: list[str]) -> tuple[set[str], list[str]]:
+        """Exact names (match_name is then equality: a set lookup, for lists of 100k names) and the rest."""
+        exact = {p for p in patterns if not p.startswith("re:") and "." in p}
+        return exact, [p for p in patterns if p not in exact]
+
+    rules = [(split(g.get("targets") or []), split(b.get("ignore") or [])) for _, b in blocks
+             for g in (b.get("config_groups") or {}).values()]
+
+    def hits(name: str, module, rule: tuple[set[str], list[str]]) -> bool:
+        return name in rule[0] or bool(rule[1]) and is_match(name, module, rule[1])
+
+    def selected(name: str, module) -> bool:
+        return any(hits(name, module, t) and not hits(name, module, i) for t, i in rules)
+
+    out = []
+    lost = [m for m in converted if not selected(m, linear)]
+    if lost:
+        out.append(f"the targets/ignore lists do not select {len(lost)} converted module(s) (a loader would read "
+                   f"them as bf16): {', '.join(lost[:shown])}" + (" ..." if len(lost) > shown else ""))
+    extra = [m for m in plain if selected(m, unknown)]
+    if extra:
+        out.append(f"the targets select {len(extra)} module(s) that are not int4 (a loader would look for "
+                   f"int4 tensors): {', '.join(extra[:shown])}" + (" ..." if len(extra) > shown else ""))
+    return out
 
 
 def _ignore_patterns(config: dict | None) -> list[str]:
@@ -349,10 +395,16 @@ def _check_figures(d: _Dst) -> tuple[Check, dict[str, dict]]:
         c.fail(f"{TENSOR_TABLE} is missing")
         return c, rows
     try:
-        rows = {r["name"]: r for r in read_rows(path)}
+        table = read_rows(path)
     except Exception as e:  # zstd or JSON damage: a problem of DST, not a crash
         c.fail(f"{TENSOR_TABLE} is unreadable ({e})")
         return c, rows
+    for i, r in enumerate(table):
+        _typed(r, ROW_TYPES, path, f"line {i + 1}")
+        missing = [k for k in ROW_TYPES if k not in r]
+        if missing:
+            raise VerifyFailed(f"line {i + 1} has no {', '.join(missing)}", file=path)
+        rows[r["name"]] = r
     want = {f"{m}.{PACKED}" for m in converted_modules(d)}
     for n in sorted(want - set(rows)):
         c.fail(f"{n}: converted but has no row in {TENSOR_TABLE}")
@@ -361,11 +413,13 @@ def _check_figures(d: _Dst) -> tuple[Check, dict[str, dict]]:
     for n, r in sorted(rows.items()):
         if r.get("nonfinite") or not math.isfinite(r.get("rel_rmse", math.nan)):
             c.fail(f"{n}: non-finite values or error recorded")
-    report = _read_obj(os.path.join(d.path, REPORT), c)
+    report = _read_obj(os.path.join(d.path, REPORT), c, REPORT_TYPES)
     if report is not None and report.get("tensors") != len(rows):
         c.fail(f"{REPORT} counts {report.get('tensors')} tensors, {TENSOR_TABLE} has {len(rows)}")
     worst = max((r["rel_rmse"] for r in rows.values()), default=0.0)
     c.summary = f"{len(rows)} per-tensor rows, worst relative RMSE {worst:.4f}"
+    if line := ratio_line(error_ratio(list(rows.values())), scale_rule(d)):
+        c.notes.append(line)
     return c, rows
 
 
@@ -470,13 +524,46 @@ class _Tensors:
         return self.handles[shard].get_tensor(name)
 
 
+def scale_rule(d: _Dst) -> str:
+    """The scale rule DST was written with (manifest; config must agree), default ``optimal``."""
+    rule = d.manifest.get("scale_rule") or (d.manifest.get("options") or {}).get("scale_rule") or "optimal"
+    if rule not in SCALE_RULES:
+        raise VerifyFailed(f"scale_rule {rule!r} is not one of {', '.join(SCALE_RULES)}",
+                           file=os.path.join(d.path, MANIFEST))
+    for path, block in ckpt.quant_blocks(d.config or {}):
+        said = block.get(RULE_KEY)
+        if said is not None and said != rule:
+            raise VerifyFailed(f"{ckpt.dotted(path)}.{RULE_KEY} is {said!r}, the manifest says {rule!r}",
+                               file=os.path.join(d.path, "config.json"))
+    return rule
+
+
+def _same_as_rule(m: str, packed, scales, bias: int, words, int4_scales, check: Check) -> int:
+    """Compare DST's bytes of module ``m`` with the server rule on the source bytes; groups compared."""
+    from .quant import server_rule
+
+    g = packed.numel() // 16
+    s = ((scales.reshape(-1).to(torch.int32) + 127 - bias) % 256).to(torch.uint8)
+    want = server_rule.requantize(packed.reshape(g, 16), s)
+    got_q = words.contiguous().view(torch.uint8).reshape(-1, 16)
+    got_s = int4_scales.contiguous().view(torch.int16).reshape(-1)
+    if got_q.shape[0] != g or got_s.numel() != g:
+        check.fail(f"{m}: {got_q.shape[0]} int4 group(s), the source has {g}")
+        return 0
+    differ = int(((got_q != want.packed).any(dim=1) | (got_s != want.scales.view(torch.int16))).sum())
+    if differ:
+        check.fail(f"{m}: {differ} of {g} group(s) differ from the server rule on the source bytes")
+    return g
+
+
 def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, result: VerifyResult) -> list[Check]:
     from .formats import mxfp4
 
     src_wm = ckpt.weight_map(src)   # BadInput (exit 2) when the source is unreadable
     ident = _source_identity(src, d)
     c = Check("re-decode")
-    opt = Check("optimality")
+    rule = scale_rule(d)
+    opt = Check("optimality" if rule == "optimal" else "scale rule")  # vllm-gfx942 is not the optimum
     copy = Check("passthrough")
     result.decoder, read_int4 = _int4_reader()
     s_t, d_t = _Tensors(src, src_wm), _Tensors(d.path, {t: s for t, (s, _) in d.where.items()})
@@ -488,7 +575,7 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
     for i, name in enumerate(names):
         m = name[: -len(PACKED) - 1]
         try:
-            w = mxfp4.decode(s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{SCALE}"), bias).double()
+            w = mxfp4.decode(s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{SCALE}"), bias, torch.float64)
         except KeyError as e:
             c.fail(f"{m}: the source has no {e.args[0]}")
             continue
@@ -516,7 +603,10 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
         max_abs = float(diff.abs().max()) if diff.numel() else 0.0
         if abs(max_abs - rows[name]["max_abs"]) > REL_TOL * max(rows[name]["max_abs"], 1e-30):
             c.fail(f"{name}: re-decoded max abs error {max_abs:.9g}, table says {rows[name]['max_abs']:.9g}")
-        if i < OPT_TENSORS:
+        if rule != "optimal":
+            opt_groups += _same_as_rule(m, s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{SCALE}"), bias,
+                                        d_t.get(f"{m}.{PACKED}"), d_t.get(f"{m}.{SCALE}"), opt)
+        elif i < OPT_TENSORS:
             g_err = (diff * diff).reshape(-1, 32).sum(1)
             picks = torch.unique(torch.cat((g_err.topk(min(OPT_GROUPS // 2, g_err.numel())).indices,
                                             torch.linspace(0, g_err.numel() - 1, OPT_GROUPS // 2).long())))
@@ -528,7 +618,9 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
     result.sampled = len(names)
     c.summary = (f"{len(names)} of {len(rows)} tensor(s) from the source bytes; largest deviation from the "
                  f"table {worst_dev:.1e} (limit {REL_TOL:g}); int4 read by {result.decoder}")
-    opt.summary = f"{opt_groups} group(s) of {min(len(names), OPT_TENSORS)} tensor(s) vs every bf16 scale"
+    opt.summary = f"{opt_groups} group(s) of {min(len(names), OPT_TENSORS)} tensor(s) vs every bf16 scale" \
+        if rule == "optimal" else f"{opt_groups} group(s) of {len(names)} tensor(s) byte-identical to the {rule} rule " \
+        "(quant/server_rule.py) applied to the source bytes"
     if not names:
         c.skipped = opt.skipped = True
 
@@ -580,6 +672,5 @@ def verify(dst: str, source: str | None = None, sample: int | None = 8, *, check
         result.checks.append(Check("re-decode", f"not run: give --source (the manifest names {where})",
                                    skipped=True))
     if serving is not None:
-        from .serving import serving_check
         result.checks.append(serving_check(d.config, {t: info for t, (_, info) in d.where.items()}, *serving))
     return result

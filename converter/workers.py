@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import digest
-from .devices import cpus
+from .devices import cpus, memory_available
 from .errors import BadInput, ConvertError, OutputError
+from .kernels import requantizer, server_requantizer
 from .plan import ShardPlan
 
 Handler = Callable[[str, dict], None]   # (event kind, fields); raises to stop the run
@@ -37,15 +38,71 @@ class Task:
     sample_per_layer: int     # 0: none
     scale_shift: int          # added to every E8M0 byte (source dialect's bias correction)
     batch_groups: int | None
+    scale_rule: str = "optimal"  # --scale-rule: quant/rules.py
 
 
-def requantizer(device: str):
-    """The numba CPU kernel or the Triton GPU kernel; both give the reference's bytes."""
-    if device.startswith("cpu"):
-        from .quant.cpu_kernel import requantize
-        return requantize
-    from .kernels.triton_requant import requantize
-    return requantize
+# ---------------------------------------------------------------- how many CPU workers
+
+THREADS_PER_WORKER = 2      # cores per CPU worker under --workers auto (docs/decisions.md)
+MEMORY_SHARE = 0.5          # of the available memory, at most, for all workers together
+CPU_BATCH_GROUPS = 1 << 20  # groups per requantize call on the CPU
+RUNTIME_BYTES = 512 << 20   # a worker's Python + torch + numba after warm-up: 350 MB RSS measured
+COPY_PIECE = 16 << 20       # shard.COPY_PIECE (shard.py imports torch; the parent must not)
+READERS, WRITERS = 3, 2     # ShardConverter's I/O threads unless K3CONVERT_IO_THREADS says otherwise
+
+
+def worker_bytes(threads: int, batch_groups: int = CPU_BATCH_GROUPS, readers: int = READERS,
+                 writers: int = WRITERS) -> int:
+    """Peak memory of one CPU worker: its runtime, ShardConverter's buffer pools (inputs
+    uint8 [G, 16] + [G]; outputs uint8 [G, 16] + int16 [G]; copy pieces) and the 64 MiB output
+    chunks its hashing threads map. A shard's size does not enter: memory is bounded by these."""
+    inputs = (readers + 2) * 17 * batch_groups
+    outputs = (writers + 2) * 18 * batch_groups
+    copies = (readers + writers + 2) * COPY_PIECE
+    return RUNTIME_BYTES + inputs + outputs + copies + digest.threads_for(threads) * digest.CHUNK
+
+
+@dataclass(frozen=True)
+class CpuWorkers:
+    """How many CPU worker processes, with how many compute threads each, and why."""
+
+    workers: int
+    threads: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"cpu: {self.workers} worker(s) x {self.threads} thread(s) ({self.reason})"
+
+
+def _machine(cores: int, memory: int | None) -> str:
+    return f"{cores} cores, " + (f"{memory / 2**30:.1f} GiB available" if memory is not None else "memory unknown")
+
+
+def choose_cpu_workers(cores: int, memory: int | None, shards: int | None = None) -> CpuWorkers:
+    """``--workers auto``: one worker per THREADS_PER_WORKER cores, no more than fit in
+    MEMORY_SHARE of the available memory, and no more than there are shards (a worker converts
+    one shard at a time); the cores are then shared among the workers chosen."""
+    cores = max(1, cores)
+    limits = {"cores": max(1, cores // THREADS_PER_WORKER)}
+    if memory is not None:
+        limits["memory"] = max(1, int(memory * MEMORY_SHARE) // worker_bytes(THREADS_PER_WORKER))
+    if shards:
+        limits["shards"] = shards
+    bound = min(limits, key=limits.__getitem__)  # ties: cores, then memory, then shards
+    n = limits[bound]
+    why = {"cores": f"one per {THREADS_PER_WORKER} cores",
+           "memory": f"{worker_bytes(THREADS_PER_WORKER) / 2**30:.2f} GiB each in half the available memory",
+           "shards": f"one per shard, {shards} to convert"}[bound]
+    return CpuWorkers(n, max(1, cores // n), f"auto: {why}; {_machine(cores, memory)}")
+
+
+def cpu_workers(requested: int | None, shards: int | None = None) -> CpuWorkers:
+    """The CPU workers for this machine: ``requested`` (``--workers N``), or chosen (None)."""
+    cores, memory = cpus(), memory_available()
+    if requested is None:
+        return choose_cpu_workers(cores, memory, shards)
+    n = max(1, requested)
+    return CpuWorkers(n, max(1, cores // n), f"--workers {n}; {_machine(cores, memory)}")
 
 
 def _warm_up(device: str) -> None:
@@ -53,12 +110,16 @@ def _warm_up(device: str) -> None:
     import torch
 
     if device.startswith("cuda"):
+        if not torch.cuda.is_available():  # a CPU-only torch: torch.cuda.set_device would raise AttributeError
+            raise BadInput(f"--devices {device}: this torch {torch.__version__} has no CUDA or ROCm support "
+                           "(install a GPU build of torch, or use --devices cpu)")
         torch.cuda.set_device(torch.device(device))
     # a batch shaped like real ones (a multiple of 16 groups, several blocks per program), so
     # that Triton compiles the same specialization the shards use, now rather than mid-shard
     groups = 1 << 17
     p = torch.zeros((groups, 16), dtype=torch.uint8, device=device)
-    requantizer(device)(p, torch.full((groups,), 127, dtype=torch.uint8, device=device), [0, groups])
+    for kernel in (requantizer(device), server_requantizer(device)):
+        kernel(p, torch.full((groups,), 127, dtype=torch.uint8, device=device), [0, groups])
     if device.startswith("cpu"):
         from .quant.cpu_kernel import output_error
         from .validate import probe
@@ -90,14 +151,15 @@ class _Converters:
     def get(self, task: Task):
         from .shard import ShardConverter
 
-        key = (task.sample_stride, task.sample_per_layer, task.scale_shift, task.batch_groups)
+        key = (task.sample_stride, task.sample_per_layer, task.scale_shift, task.batch_groups, task.scale_rule)
         if key not in self.cache:
             stride, per_layer = task.sample_stride, task.sample_per_layer
             cpu = self.device.startswith("cpu")
             self.cache[key] = ShardConverter(
-                requantizer(self.device), self.device, task.batch_groups or (1 << 20 if cpu else 1 << 21),
+                requantizer(self.device), self.device, task.batch_groups or (CPU_BATCH_GROUPS if cpu else 1 << 21),
                 lambda c: c.expert is None or (per_layer > 0 and c.expert % stride == 0),
-                scale_shift=task.scale_shift, **io_threads())
+                scale_shift=task.scale_shift, rule=task.scale_rule, server=server_requantizer(self.device),
+                **io_threads())
         return self.cache[key]
 
 
@@ -154,11 +216,12 @@ def _serve(device: str, share: int, parent: int, tasks, events) -> None:
         digest.set_threads(share)
         if device.startswith("cpu"):
             import numba
+            share = min(share, numba.config.NUMBA_NUM_THREADS)  # a NUMBA_NUM_THREADS set lower caps it
             torch.set_num_threads(share)
             numba.set_num_threads(share)
         _warm_up(device)
         t = time.perf_counter()  # where start-up goes: the imports, then the kernel's load and first run
-        events.put(("ready", {"device": device, "seconds": round(t - t0, 3),
+        events.put(("ready", {"device": device, "threads": share, "seconds": round(t - t0, 3),
                               "import_torch_s": round(t_torch - t0, 3), "warm_up_s": round(t - t_torch, 3)}))
         convs = _Converters(device)
         while (task := tasks.get()) is not None:
@@ -166,6 +229,8 @@ def _serve(device: str, share: int, parent: int, tasks, events) -> None:
                 return
     except KeyboardInterrupt:  # stopped by the parent
         pass
+    except ConvertError as e:  # a problem the user can fix (a CPU-only torch for --devices cuda:N)
+        events.put(("error", {"shard": None, "message": str(e), "code": e.exit_code}))
     except BaseException as e:  # report anything, naming the device; the parent stops the run
         events.put(("error", {"shard": None, "message": f"worker on {device} failed: {e!r}", "code": 1}))
     finally:  # from here on, a SIGTERM just ends the process (no traceback at exit)
@@ -175,8 +240,8 @@ def _serve(device: str, share: int, parent: int, tasks, events) -> None:
 class Workers:
     """The run's workers, started at once; ``run`` feeds them shards and handles their events."""
 
-    def __init__(self, devices: list[str], inline: bool | None = None):
-        self.devices = devices
+    def __init__(self, devices: list[str], inline: bool | None = None, note: str = ""):
+        self.devices, self.note = devices, note  # note: how many workers, and why (progress, --dry-run)
         self.inline = len(devices) == 1 and ("torch" in sys.modules if inline is None else inline)
         self.procs: list = []
         if self.inline:

@@ -46,7 +46,7 @@ from compressed_tensors.utils import match_quantizable_tensors
 from compressed_tensors.utils.safetensors_load import get_quantization_config
 from llmcompressor.entrypoints.model_free import model_free_ptq
 
-EXPERT_RE = re.compile(r".*\.experts\.\d+\.w[123]$")  # routed experts only
+EXPERT_RE = re.compile(r".*\.experts\.\d+\.(w[123]|gate_proj|up_proj|down_proj)$")  # routed experts only
 EXTRA_IGNORE = [  # module-name regexes; ``*norm`` modules are skipped by the library
     r"re:.*self_attn.*",
     r"re:.*shared_experts.*",

@@ -83,10 +83,12 @@ def convert(code: str, src: str, dst: str, devices: str, workers: int, cold: boo
     ready = [e["time"] for e in events if e.get("event") == "ready"]  # workers imported and warmed up
     parts = [e for e in events if e.get("event") == "ready"]
     plan = [e["time"] for e in events if e.get("event") == "plan"]   # preflight done
+    note = next((e.get("workers") for e in events if e.get("event") == "plan"), None)  # workers, and why
     return {"wall_s": wall, "startup_s": min(starts) - t0, "workers_ready_s": max(ready) - t0 if ready else None,
             "preflight_s": plan[0] - t0 if plan else None,
             "ready_parts": {k: max(e.get(k, 0) for e in parts) for k in ("import_torch_s", "warm_up_s")} if parts else None, "steady_s": steady, "steady_GBps": size / steady / 1e9,
             "wall_GBps": size / wall / 1e9, "cache_dropped": dropped, "stages": stages, "digests": shas,
+            "workers": note,
             "maxrss_GB": next(e["maxrss_kB"] for e in events if "maxrss_kB" in e) * 1024 / 1e9}
 
 

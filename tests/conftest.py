@@ -33,6 +33,10 @@ from converter.cli import main as cli_main
 from converter.fixture import FixtureSpec, make_fixture
 from converter.pipeline import Options, convert
 
+# The command's --workers default is auto (several processes on a large machine); the tests that
+# patch this process (a full disk, a failing read) need its one worker here, on any machine.
+os.environ.setdefault("K3CONVERT_WORKERS", "1")
+
 INDEX = "model.safetensors.index.json"
 MANIFEST = "k3convert_manifest.json"
 REPORT = "k3convert_report.json"

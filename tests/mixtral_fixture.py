@@ -37,8 +37,14 @@ def is_expert_weight(name: str) -> bool:
     return ".block_sparse_moe.experts." in name and name.endswith(EXPERT_SUFFIXES)
 
 
-def tiny_mixtral(seed: int = 0) -> MixtralForCausalLM:
-    """A random bf16 Mixtral whose output is dominated by its experts.
+def tiny_mixtral(seed: int = 0, **sizes) -> MixtralForCausalLM:
+    """A random bf16 Mixtral whose output is dominated by its experts (``sizes`` override SIZES)."""
+    return tiny_moe(MixtralConfig(**{**SIZES, **sizes}), seed)
+
+
+def tiny_moe(config, seed: int = 0) -> torch.nn.Module:
+    """A random bf16 MoE model (any transformers 5 architecture whose layers hold fused
+    ``mlp.experts.gate_up_proj``/``down_proj``) whose output is dominated by its experts.
 
     transformers' init (normal, std 0.02) would make the experts' contribution to the residual
     stream tiny, so a broken expert would barely move the logits. The experts get heavy-tailed
@@ -48,7 +54,7 @@ def tiny_mixtral(seed: int = 0) -> MixtralForCausalLM:
     with torch.random.fork_rng(devices=[]):  # seeded, without touching other tests' RNG state
         torch.manual_seed(seed)
         # from_config, like from_pretrained, keeps the rotary buffers float32 (``.to(bf16)`` would not)
-        model = AutoModelForCausalLM.from_config(MixtralConfig(**SIZES), dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
         t = torch.distributions.StudentT(4.0)
         for layer in model.model.layers:
             for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
@@ -57,8 +63,10 @@ def tiny_mixtral(seed: int = 0) -> MixtralForCausalLM:
     return model
 
 
-def write_mxfp4_checkpoint(model: MixtralForCausalLM, dst: str) -> None:
-    """Save ``model`` to ``dst`` with every routed expert packed to MXFP4 by compressed-tensors."""
+def write_mxfp4_checkpoint(model: torch.nn.Module, dst: str, is_expert=is_expert_weight,
+                           ignore: list[str] = IGNORE) -> None:
+    """Save ``model`` to ``dst`` with every routed expert (``is_expert(name)``) packed to MXFP4 by
+    compressed-tensors, ``ignore`` being the recipe's ignore list."""
     os.makedirs(dst, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
@@ -70,7 +78,7 @@ def write_mxfp4_checkpoint(model: MixtralForCausalLM, dst: str) -> None:
                 tensors.update(load_file(os.path.join(tmp, name)))
     out = {}
     for name, t in tensors.items():
-        if not is_expert_weight(name):
+        if not is_expert(name):
             out[name] = t
             continue
         module = name[: -len(".weight")]
@@ -79,5 +87,5 @@ def write_mxfp4_checkpoint(model: MixtralForCausalLM, dst: str) -> None:
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     qc = QuantizationConfig(config_groups={"group_0": MXFP4_SCHEME}, format="mxfp4-pack-quantized",
-                            quantization_status="compressed", ignore=IGNORE)
+                            quantization_status="compressed", ignore=ignore)
     ModelCompressor(quantization_config=qc).update_config(dst)

@@ -176,7 +176,9 @@ def _check_int4_block(block: dict, source_block: dict) -> None:
     assert block["ignore"] == source_block["ignore"]
     assert list(block["config_groups"]) == ["group_0"]
     g = block["config_groups"]["group_0"]
-    assert g["targets"] == ["Linear"] and g["format"] == "pack-quantized"
+    # the routed experts by a pattern that also matches vLLM's names for them (docs/serving.md, "Names")
+    assert g["targets"] == [r"re:.*\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$"]
+    assert g["format"] == "pack-quantized"
     assert g["input_activations"] is None and g["output_activations"] is None
     w = g["weights"]
     assert (w["num_bits"], w["type"], w["symmetric"], w["strategy"], w["group_size"]) == (4, "int", True, "group", 32)

@@ -107,3 +107,27 @@ def test_prepare_takes_defaults_from_launch_config(monkeypatch: pytest.MonkeyPat
     triton_requant.prepare(packed, scales, block_groups=256, nsplit=2, num_warps=8, num_stages=2)()
     assert (rec.kwargs["BG"], rec.kwargs["NSPLIT"], rec.kwargs["num_warps"], rec.kwargs["num_stages"]) == (
         256, 2, 8, 2)
+
+
+@needs_amd
+@pytest.mark.parametrize("arch", report.ARCHS)
+def test_server_rule_kernel_compiles_for_amd(arch: str) -> None:
+    """The --scale-rule vllm-gfx942 kernel (plain Triton) builds for CDNA without spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from converter.kernels.triton_server_rule import BLOCK, _server_kernel
+
+    pointers = {"bytes_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": "*u8", "oscale_ptr": "*i16",
+                "stats_ptr": "*fp64", "stats_i_ptr": "*i64", "blk_tid_ptr": "*i32", "offsets_ptr": "*i64",
+                "nib_ptr": "*u8", "bits_ptr": "*i16", "ok_ptr": "*i8", "err2_ptr": "*fp64",
+                "abserr_ptr": "*fp64", "ref2_ptr": "*fp64"}
+    src = ASTSource(fn=_server_kernel, signature={**pointers, "G": "i32", "BG": "constexpr"},
+                    constexprs={"BG": BLOCK})
+    compiled = triton.compile(src, target=GPUTarget("hip", arch, 64), options={"num_warps": 4, "num_stages": 1})
+    asm = compiled.asm["amdgcn"]
+    nums = report.parse_amdgcn(asm)
+    assert nums["instructions"] > 0 and ("buffer_atomic" in asm or "global_atomic" in asm), \
+        "no atomics: the statistics were compiled away"
+    assert nums["vgpr_spills"] == 0 and nums["scratch_bytes"] == 0, nums

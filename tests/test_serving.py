@@ -21,13 +21,26 @@ from compressed_tensors.quantization.lifecycle.initialize import initialize_modu
 from compressed_tensors.quantization.quant_scheme import W4A16
 
 from converter.serving import RULES, SERVERS, check_serving, evaluate, fitting_tp
-from conftest import (SPEC, read_json, rewrite_shard, run_cli, shard_names, sync_index,
-                            write_json)
+from conftest import (SPEC, ct_mxfp4_encode, read_json, rewrite_shard, run_cli, shard_names, sync_index,
+                      write_json)
+from converter.fixture import FixtureSpec, make_fixture
+from converter.pipeline import Options, convert
 
 LAYER = "language_model.model.layers.1.block_sparse_moe.experts"   # the first MoE layer (shard 2)
 
 
 # ---------------------------------------------------------------- helpers
+
+@pytest.fixture(scope="module")
+def servable(tmp_path_factory) -> str:
+    """A tiny K3 output at sizes the int4 SiTU kernels take unpadded (expert hidden and
+    intermediate 128: Marlin's hidden % 128, the plugin's 128-aligned per-rank sizes)."""
+    root = tmp_path_factory.mktemp("servable")
+    make_fixture(str(root / "src"), FixtureSpec(layers=3, experts=4, hidden=64, inter=128, latent=128, shards=2,
+                                                vocab=64, seed=7), encoder=ct_mxfp4_encode)
+    convert(str(root / "src"), str(root / "dst"), Options())
+    return str(root / "dst")
+
 
 @pytest.fixture
 def dst(converted, tmp_path) -> str:
@@ -55,11 +68,12 @@ def edit_tensors(root: str, edit) -> None:
 
 
 def only_failure(root: str, rule: str, *needles: str, tp: int = 1) -> None:
-    """For both servers: exactly ``rule`` fails, in one line naming it, the server and every needle."""
+    """For every server: exactly ``rule`` fails, in one line naming it, the server and every needle
+    (the kernel verdict, which differs by server, has its own tests below)."""
     for server in SERVERS:
         results = check_serving(root, server, tp)
         assert [r.rule for r in results] == list(RULES)
-        failed = [r for r in results if not r.ok]
+        failed = [r for r in results if not r.ok and r.rule != "kernel"]
         assert [r.rule for r in failed] == [rule], [r.message for r in failed]
         msg = failed[0].message
         assert msg.startswith(f"rule {rule}: ") and "\n" not in msg, msg
@@ -69,8 +83,9 @@ def only_failure(root: str, rule: str, *needles: str, tp: int = 1) -> None:
 
 
 def all_pass(root: str, tp: int = 1) -> None:
+    """Every checkpoint rule passes for every server (the kernel verdict aside)."""
     for server in SERVERS:
-        failed = [r.message for r in check_serving(root, server, tp) if not r.ok]
+        failed = [r.message for r in check_serving(root, server, tp) if not r.ok and r.rule != "kernel"]
         assert not failed, failed
 
 
@@ -83,6 +98,9 @@ def experts(tensors: dict, layer: str = LAYER) -> list[str]:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_our_output_passes(converted, tp):
     all_pass(converted.dst, tp)
+    # the tiny fixture's experts (hidden 96, intermediate 64) fit no int4 SiTU kernel unpadded
+    for server in SERVERS:
+        assert [r.rule for r in check_serving(converted.dst, server, tp) if not r.ok] == ["kernel"]
 
 
 def test_rules_agree_with_compressed_tensors():
@@ -106,7 +124,7 @@ def test_rules_agree_with_compressed_tensors():
                 t = sd[key]
                 tensors[f"model.layers.0.mlp.experts.{e}.{proj}.{key}"] = SimpleNamespace(
                     dtype=codes[t.dtype], shape=tuple(t.shape))   # all evaluate() reads of a header entry
-    for server in SERVERS:
+    for server in SERVERS:   # no hidden_act: the servers' default silu, which every one of them runs
         for tp in (1, 2):
             assert [r.message for r in evaluate(config, tensors, server, tp) if not r.ok] == []
 
@@ -164,7 +182,7 @@ def test_no_config_fails_every_config_rule(dst):
     config_rules = {"format", "num-bits", "type", "symmetric", "strategy", "group-size", "actorder", "static",
                     "input-activations"}
     for server in SERVERS:
-        failed = {r.rule: r.message for r in check_serving(dst, server, 1) if not r.ok}
+        failed = {r.rule: r.message for r in check_serving(dst, server, 1) if not r.ok and r.rule != "kernel"}
         assert set(failed) == config_rules and all("no config.json" in m for m in failed.values())
 
 
@@ -305,19 +323,42 @@ def test_latent_hidden_size_is_the_experts_hidden_size(dst):
 
 # ---------------------------------------------------------------- CLI
 
-def test_cli_serving_passes(converted):
-    for server in SERVERS:
-        r = run_cli("verify", converted.dst, "--serving", server, "--tp", "2")
-        assert r.exit_code == 0, r.output
-        assert f"PASS  serving      {server} int4 W4A16 MoE path at --tp 2: {len(RULES)}/{len(RULES)}" in r.output
+@pytest.mark.parametrize("server, kernel", [("vllm-rocm-plugin", "Situv2 beta 4.0 linear_beta 25.0"),
+                                            ("vllm-cuda", "MARLIN")])
+def test_cli_serving_passes(servable, server, kernel):
+    r = run_cli("verify", servable, "--serving", server, "--tp", "2")
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.output.splitlines() if "serving " in ln)
+    assert line.strip().startswith(f"PASS  serving      {server} (vLLM 0.33.0"), line
+    assert f"at --tp 2: {len(RULES)}/{len(RULES)} rules pass" in line
+    assert kernel in r.output and "GB per rank of int4 experts at --tp 2" in r.output
 
 
-def test_cli_serving_tp_failure_is_one_line_and_exit_5(converted):
-    r = run_cli("verify", converted.dst, "--no-checksums", "--serving", "vllm-rocm", "--tp", "8")
+def test_cli_serving_stock_vllm_rocm_fails_on_situ(servable):
+    """The one-line EMULATION failure, with the memory figure, and exit 5."""
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm", "--tp", "2")
+    assert r.exit_code == 5, r.output
+    lines = [ln for ln in r.output.splitlines() if "rule " in ln]
+    assert len(lines) == 1 and "rule kernel:" in lines[0] and "EMULATION" in lines[0], lines
+    # 2 MoE layers x 4 experts x 3 x 128 x 128 weights, vLLM's KimiMoE pads 64 per rank to 256
+    bf16 = 2 * 4 * 3 * 256 * 128 * 2
+    assert f"bf16 dequantization at load, {bf16 / 1e9:.3g} GB per rank" in lines[0] and "--tp 2" in lines[0]
+
+
+@pytest.mark.parametrize("server", ["sglang-rocm", "sglang-cuda"])
+def test_cli_serving_sglang_fails_on_situ(servable, server):
+    r = run_cli("verify", servable, "--no-checksums", "--serving", server)
+    assert r.exit_code == 5, r.output
+    lines = [ln for ln in r.output.splitlines() if "rule " in ln]
+    assert len(lines) == 1 and "asserts activation == 'silu'" in lines[0], lines
+
+
+def test_cli_serving_tp_failure_is_one_line_and_exit_5(servable):
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm-plugin", "--tp", "8")
     assert r.exit_code == 5, r.output
     lines = [ln for ln in r.output.splitlines() if "rule " in ln]
     assert lines == [next(ln for ln in r.output.splitlines() if "rule tp-intermediate:" in ln)]
-    assert "64/8=8" in lines[0] and "TP sizes that fit: 1, 2" in lines[0]
+    assert "128/8=16" in lines[0] and "TP sizes that fit: 1, 2, 4" in lines[0]
     assert "FAIL  serving" in r.output and "result: FAIL (1 problem(s))" in r.output
 
 
@@ -327,10 +368,168 @@ def test_cli_serving_config_failure_json(dst):
     assert r.exit_code == 5, r.output
     checks = {c["name"]: c for c in json.loads(r.output)["checks"]}
     assert checks["serving"]["status"] == "FAIL"
-    assert [p.split(":")[0] for p in checks["serving"]["problems"]] == ["rule actorder"]
-    assert all(c["status"] != "FAIL" for name, c in checks.items() if name != "serving")
+    assert [p.split(":")[0] for p in checks["serving"]["problems"]] == ["rule actorder", "rule kernel"]
+    # verify's own config check refuses actorder too; the others see nothing wrong
+    assert all(c["status"] != "FAIL" for name, c in checks.items() if name not in ("serving", "config"))
 
 
 def test_cli_tp_without_serving_is_refused(converted):
     r = run_cli("verify", converted.dst, "--tp", "2")
     assert r.exit_code == 2 and "--tp is used with --serving" in r.output
+
+
+# ---------------------------------------------------------------- names: the scheme lookup
+
+EXPERT_TARGET = r"re:.*\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$"
+
+
+def _block(cfg: dict) -> dict:
+    return cfg["text_config"]["quantization_config"]
+
+
+@pytest.mark.parametrize("edit, needle", [
+    # right on the checkpoint's w1/w2/w3 names, wrong on the name the servers ask for
+    (lambda b: b["ignore"].append(r"re:.*\.(gate|up|down)_proj$"), "the layer's experts load unquantized"),
+    (lambda b: b["ignore"].append(r"re:.*gate_proj.*"), "but not the other projections"),
+    (lambda b: b["config_groups"]["group_0"].__setitem__("targets", [r"re:.*\.experts\.\d+\.w[123]$"]),
+     "no target matches language_model.model.layers.1.block_sparse_moe.experts.0.gate_proj"),
+])
+def test_names_rule_fails(dst, edit, needle):
+    edit_config(dst, lambda cfg: edit(_block(cfg)))
+    only_failure(dst, "names", "text_config.quantization_config", needle)
+
+
+def test_names_rule_passes_ours_and_a_class_target_with_a_note(converted, dst):
+    assert _block(read_json(os.path.join(converted.dst, "config.json")))["config_groups"]["group_0"]["targets"] \
+        == [EXPERT_TARGET]
+    assert all(not r.note for r in check_serving(converted.dst, "vllm-rocm", 1))
+    edit_config(dst, lambda cfg: _block(cfg)["config_groups"]["group_0"].__setitem__("targets", ["Linear"]))
+    all_pass(dst)   # vLLM maps "Linear" onto RoutedExperts: the experts are found ...
+    names = next(r for r in check_serving(dst, "vllm-rocm", 1) if r.rule == "names")
+    assert "targets ['Linear'] select by class" in names.note   # ... but other layers may be too
+
+
+def test_int4_targets_select_exactly_the_converted_modules():
+    """Both ways, on compressed-tensors' own matcher and on the names vLLM asks for: a source ignore
+    entry that would catch vLLM's expert names is dropped, others kept; kept experts the pattern
+    would catch are ignored (under both names); non-expert converted modules by exact name."""
+    from compressed_tensors.utils.match import match_name
+    from converter.formats.dialect import int4_targets
+
+    layer = "model.layers.{}.mlp.experts"
+    converted = [f"{layer.format(1)}.{e}.{p}" for e in range(2) for p in ("w1", "w2", "w3")] + \
+        ["model.layers.0.self_attn.q_proj"]
+    kept = [f"{layer.format(2)}.{e}.{p}" for e in range(2) for p in ("w1", "w2", "w3")] + \
+        ["model.layers.0.self_attn.k_proj", "model.layers.1.mlp.gate", "lm_head", "model.layers.0.mlp.gate_proj"]
+    inherited = [r"re:.*self_attn\.k_proj$", r"re:.*\.gate_proj$", "lm_head"]
+    targets, ignore = int4_targets(converted, kept, inherited)
+    assert targets == [EXPERT_TARGET, "model.layers.0.self_attn.q_proj"]
+    assert r"re:.*\.gate_proj$" not in ignore and r"re:.*self_attn\.k_proj$" in ignore and "lm_head" in ignore
+    assert f"{layer.format(2)}.0.w1" in ignore and f"{layer.format(2)}.0.gate_proj" in ignore
+
+    def selected(name: str) -> bool:
+        return any(match_name(name, t) for t in targets) and not any(match_name(name, i) for i in ignore)
+    assert {m for m in converted + kept if selected(m)} == set(converted)
+    for L, want in ((1, True), (2, False)):   # vLLM's lookups: layer 1 int4, layer 2 (kept) not
+        assert {selected(f"{layer.format(L)}.0.{p}") for p in ("gate_proj", "up_proj", "down_proj")} == {want}
+    assert not selected("model.layers.0.self_attn.qkv_proj")   # a server's fused name: no class target
+
+
+# ---------------------------------------------------------------- kernel: per server and target
+
+def k3_headers(layers: int = 2, experts: int = 4, inter: int = 3072, hidden: int = 3584,
+               act: dict | None = None) -> tuple[dict, dict]:
+    """A K3-shaped config and header entries at K3's expert dims (fewer layers and experts)."""
+    text = {"model_type": "kimi_linear", "moe_intermediate_size": inter, "routed_expert_hidden_size": hidden,
+            **(act if act is not None else {"hidden_act": "situ", "activation_situ_beta": 4.0,
+                                            "activation_situ_linear_beta": 25.0}),
+            "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                    "config_groups": {"group_0": {"targets": [EXPERT_TARGET],
+                                                                  "format": "pack-quantized",
+                                                                  "weights": {"num_bits": 4, "type": "int",
+                                                                              "symmetric": True, "strategy": "group",
+                                                                              "group_size": 32, "dynamic": False,
+                                                                              "actorder": None}}},
+                                    "ignore": []}}
+    config = {"model_type": "kimi_k3", "torch_dtype": "bfloat16", "text_config": text}
+    tensors = {}
+    for L in range(1, layers + 1):
+        for e in range(experts):
+            for w, (o, i) in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
+                m = f"language_model.model.layers.{L}.block_sparse_moe.experts.{e}.{w}"
+                tensors[f"{m}.weight_packed"] = SimpleNamespace(dtype="I32", shape=(o, i // 8))
+                tensors[f"{m}.weight_scale"] = SimpleNamespace(dtype="BF16", shape=(o, i // 32))
+    return config, tensors
+
+
+def kernel_result(config, tensors, server, tp):
+    results = evaluate(config, tensors, server, tp)
+    assert [r.rule for r in results if not r.ok] in ([], ["kernel"]), [r.message for r in results if not r.ok]
+    return next(r for r in results if r.rule == "kernel")
+
+
+def test_situ_at_k3_dims_per_server():
+    """Stock vLLM on gfx942: EMULATION, with the memory it costs; the plugin and vLLM CUDA (Marlin)
+    take SiTU at int4; both SGLang paths assert SiLU."""
+    config, tensors = k3_headers()
+    weights = 2 * 4 * 3 * 3072 * 3584                      # expert weights in these headers
+    stock = kernel_result(config, tensors, "vllm-rocm", 8)
+    assert not stock.ok and "\n" not in stock.message
+    assert "EMULATION" in stock.message and "bf16 dequantization at load" in stock.message
+    assert f"{weights * 2 / 8 / 1e9:.3g} GB per rank" in stock.message          # bf16; TP 8 splits I
+    assert f"int4 as stored: {weights * (0.5 + 2 / 32) / 8 / 1e9:.3g} GB" in stock.message
+    plugin = kernel_result(config, tensors, "vllm-rocm-plugin", 8)
+    assert plugin.ok and "Situv2 beta 4.0 linear_beta 25.0" in plugin.message and "no dequantization" in plugin.message
+    cuda = kernel_result(config, tensors, "vllm-cuda", 8)
+    assert cuda.ok and "MARLIN" in cuda.message and "takes situ" in cuda.message
+    for server, line in (("sglang-rocm", "558"), ("sglang-cuda", "454")):
+        r = kernel_result(config, tensors, server, 8)
+        assert not r.ok and "asserts activation == 'silu'" in r.message and line in r.message
+
+
+def test_silu_experts_run_everywhere_at_int4():
+    """The other way: the same experts with SiLU get an int4 kernel on every server (TRITON on
+    stock gfx942, where the plugin stays out)."""
+    config, tensors = k3_headers(act={"hidden_act": "silu"})
+    for server in SERVERS:
+        r = kernel_result(config, tensors, server, 8)
+        assert r.ok, r.message
+    assert "TRITON" in kernel_result(config, tensors, "vllm-rocm", 8).message
+    assert "plugin stays out" in kernel_result(config, tensors, "vllm-rocm-plugin", 8).message
+
+
+def test_marlin_shape_rule_on_cuda():
+    """vLLM CUDA falls back to EMULATION when Marlin cannot take the shape (hidden % 128)."""
+    config, tensors = k3_headers(hidden=3584 - 32)
+    r = kernel_result(config, tensors, "vllm-cuda", 1)
+    assert not r.ok and "EMULATION" in r.message and "hidden % 128" in r.message
+
+
+def test_plugin_refusals_are_the_plugins():
+    """The plugin server uses the plugin's own decision: no linear_beta is refused in its words;
+    a non-32 group is refused (and fails group-size too)."""
+    config, tensors = k3_headers()
+    del config["text_config"]["activation_situ_linear_beta"]
+    r = kernel_result(config, tensors, "vllm-rocm-plugin", 8)
+    assert not r.ok and "k3convert vLLM plugin:" in r.message and "activation_situ_linear_beta" in r.message
+    config, tensors = k3_headers()
+    config["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 128
+    r = next(x for x in evaluate(config, tensors, "vllm-rocm-plugin", 8) if x.rule == "kernel")
+    assert not r.ok and "group_size 128" in r.message
+
+
+def test_kimi_padding_in_the_memory_estimate():
+    """vLLM's KimiMoE pads a per-rank intermediate below 256 up to 256: at TP 16, K3's 192 -> 256."""
+    config, tensors = k3_headers(layers=1, experts=1)
+    r = kernel_result(config, tensors, "vllm-rocm", 16)
+    assert f"{3 * 256 * 3584 * 2 / 1e9:.3g} GB per rank" in r.message
+
+
+def test_plugin_refuses_sizes_its_kernel_would_pad():
+    """Both ways: K3's per-rank sizes at TP 8 (hidden 3584, intermediate 384) pass; a hidden size
+    that is no multiple of 128 is refused at load, in the plugin's words."""
+    config, tensors = k3_headers()
+    assert kernel_result(config, tensors, "vllm-rocm-plugin", 8).ok
+    config, tensors = k3_headers(hidden=3584 - 32)
+    r = kernel_result(config, tensors, "vllm-rocm-plugin", 8)
+    assert not r.ok and "k3convert vLLM plugin:" in r.message and "hidden size 3552" in r.message

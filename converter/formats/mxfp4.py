@@ -1,9 +1,10 @@
 """MXFP4 (OCP Microscaling v1.0): E2M1 elements, E8M0 scales, two codes a byte, low first."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ..quant.tables import E2M1_VALUES
+from ..quant.tables import E2M1_VALUES, E8M0_NAN
 
 _LEVELS = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -27,14 +28,55 @@ def encode(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), (exp.squeeze(-1) + 127).to(torch.uint8)
 
 
-def decode(packed: torch.Tensor, scales: torch.Tensor, bias: int = 127) -> torch.Tensor:
-    """(packed [out, in/2], scales [out, in/32]) -> float32 [out, in], on their device.
+def decode(packed: torch.Tensor, scales: torch.Tensor, bias: int = 127,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(packed [out, in/2], scales [out, in/32]) -> ``dtype`` [out, in], on their device.
 
     ``bias``: the E8M0 bias the writer used (compressed-tensors 0.13.0 wrote 125); the bytes are
-    shifted to OCP's 127 modulo 256, as the converter does.
+    shifted to OCP's 127 modulo 256, as the converter does. float32 overflows for the top two
+    exponents (6 * 2^127 > float32's max): pass float64 where every finite byte must decode
+    exactly (verify's optimum).
     """
-    lut = torch.as_tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    lut = torch.as_tensor(E2M1_VALUES, dtype=dtype, device=packed.device)
     codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
     exps = (scales.int() + 127 - bias) % 256
-    unit = torch.pow(2.0, exps.float() - 127).repeat_interleave(32, dim=1)
+    unit = torch.pow(2.0, exps.to(dtype) - 127).repeat_interleave(32, dim=1)
     return lut[codes] * unit
+
+
+def refused_scale(packed: np.ndarray, scales: np.ndarray, bias: int = 127) -> tuple[int, str] | None:
+    """The first group whose STORED E8M0 byte is refused, and why; None when all are fine.
+
+    Runs on the raw bytes, before the bias correction wraps them (docs/mxfp4_dialects.md §7):
+    255 is E8M0's NaN, refused in every dialect; with bias 125 (compressed-tensors 0.13.0,
+    stored = exponent - 2 mod 256) 253 is exponent 255, NaN too, and 254 is how that writer
+    stored an all-zero group: accepted only when the group's codes are all zero.
+    ``packed``: uint8 [G, 16]; ``scales``: uint8 [G].
+    """
+    shift = (127 - bias) % 256
+    nan = scales == E8M0_NAN
+    if shift:
+        nan |= scales == (E8M0_NAN - shift) % 256
+    hits = np.flatnonzero(nan)
+    first = (int(hits[0]), _why(int(scales[hits[0]]), shift)) if hits.size else None
+    if shift > 1:  # bytes that wrap to tiny exponents: only an all-zero group may carry them
+        wrap = np.flatnonzero((scales >= 256 - shift) & (scales != E8M0_NAN))
+        if wrap.size:
+            live = wrap[(packed[wrap] & 0x77).any(axis=1)]  # 0x77: each code's magnitude bits
+            if live.size and (first is None or live[0] < first[0]):
+                b = int(scales[live[0]])
+                first = (int(live[0]), f"stored E8M0 byte {b} with nonzero values: exponent byte {(b + shift) % 256} "
+                                       f"after the +{shift} correction, a group below 1e-37 that the bias-{bias} "
+                                       "writer stores only for practically zero weights (254 is its mark of an "
+                                       "all-zero group): refused as ambiguous")
+    return first
+
+
+def _why(byte: int, shift: int) -> str:
+    if byte == E8M0_NAN and not shift:
+        return "stored E8M0 byte 255 is NaN"
+    if byte == E8M0_NAN:
+        return (f"stored E8M0 byte 255 is NaN in E8M0; in this bias-{127 - shift} dialect it would be exponent "
+                f"byte {(255 + shift) % 256}, a group below 1e-37 that its writer never stores for real weights: "
+                "refused as ambiguous")
+    return f"stored E8M0 byte {byte} is exponent byte 255 (NaN) after the +{shift} bias correction"

@@ -16,11 +16,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadInput
-from .checkpoint import MXFP4Source, dotted, drop_or_refuse, int4_block, quant_blocks
+from .json_input import ListOf, MapOf, Nullable, type_problems
+from .dialect import (Dialect, MXFP4Source, dotted, drop_or_refuse, int4_block, int4_targets, quant_blocks,
+                      register)
 
 # per-module tensors that serve only activation / KV-cache quantization
 ACTIVATION_TENSORS = (".input_scale", ".output_scale", ".input_zero_point", ".output_zero_point")
 _ONLINE_TRANSFORMS = ("rotation", "quarot", "spinquant", "hadamard")  # need kernels a W4A16 server lacks
+
+
+# the types of the fields read below (a layer config's specs are checked by is_mxfp4_spec/_spec)
+QUARK_BLOCK_TYPES = {"exclude": Nullable(ListOf(str)), "export": Nullable(dict), "global_quant_config": Nullable(dict),
+                     "layer_quant_config": Nullable(MapOf(dict)), "layer_type_quant_config": Nullable(MapOf(dict)),
+                     "kv_cache_quant_config": Nullable(dict), "algo_config": Nullable(dict)}
 
 
 def is_mxfp4_spec(spec: Any) -> bool:
@@ -52,15 +60,14 @@ class QuarkSource(MXFP4Source):
         return cfg is not None and is_mxfp4_spec(cfg.get("weight"))
 
     def int4_config(self, config: dict, converted: list[str], unconverted: list[str]) -> dict:
-        """The Quark block replaced by compressed-tensors int4: targets every Linear and ignores
-        by exact name every module that keeps its bf16 weight, so exactly the converted ones
-        are read as int4 (the way Kimi-K2-Thinking's int4 experts are loaded)."""
+        """The Quark block replaced by compressed-tensors int4 whose targets and ignore select
+        exactly the converted modules, under the checkpoint's names and vLLM's (``int4_targets``)."""
         out = copy.deepcopy(config)
         for path in self.blocks:
             parent = out
             for key in path[:-1]:
                 parent = parent[key]
-            parent[path[-1]] = int4_block(["Linear"], sorted(set(unconverted) - set(converted)))
+            parent[path[-1]] = int4_block(*int4_targets(converted, unconverted))
         return out
 
 
@@ -116,7 +123,7 @@ def quark_source(config: dict, config_path: str, drop: bool = False) -> QuarkSou
         raise BadInput(f"{len(blocks)} Quark quantization_config blocks: expected one", file=config_path)
     path, block = blocks[0]
     dropped: list[dict] = []
-    problems = _problems(block, dotted(path), drop, dropped)
+    problems = type_problems(block, QUARK_BLOCK_TYPES, dotted(path)) or _problems(block, dotted(path), drop, dropped)
     if problems:
         raise BadInput("; ".join(problems), file=config_path)
     linear = (block.get("layer_type_quant_config") or {}).get("Linear")
@@ -125,3 +132,11 @@ def quark_source(config: dict, config_path: str, drop: bool = False) -> QuarkSou
         dropped=tuple(dropped), dropped_tensors=ACTIVATION_TENSORS if dropped else (),
         exclude=tuple(block.get("exclude") or ()), layer_configs=tuple((block.get("layer_quant_config") or {}).items()),
         linear_config=linear, global_config=block.get("global_quant_config"))
+
+
+def is_quark_mxfp4(block: dict) -> bool:
+    """Whether a Quark block quantizes some weights as fp4."""
+    return "fp4" in json.dumps(block.get("global_quant_config") or block.get("layer_quant_config") or {})
+
+
+register(Dialect("quark", lambda b: b.get("quant_method") == "quark", is_quark_mxfp4, quark_source))

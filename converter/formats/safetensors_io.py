@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..errors import BadInput
+from ..safepath import open_regular
 
 DTYPE_BITS = {  # safetensors 0.8's Dtype::bitsize: every dtype its files may hold
     "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8,
@@ -229,8 +230,8 @@ def read_header(path: str | os.PathLike) -> Header:
     name given twice, which it takes silently), so that each problem is named before any work."""
     path = os.fspath(path)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:  # a FIFO or device is refused, never waited on
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise _bad("file is shorter than a safetensors header", path)

@@ -1,16 +1,29 @@
-"""GPU kernels (Triton) for the conversion's hot loop.
+"""The requantization kernels, chosen by device: numba on the CPU, Triton on a GPU.
 
-``triton_requant.requantize`` is the device twin of ``converter.quant.requant.requantize``:
-same signature, same bytes. It is imported lazily so that machines without Triton (or
-without a GPU) can still use the CPU reference.
+Every pair gives the torch reference's bytes (``converter.quant.requant`` for the optimum,
+``converter.quant.server_rule`` for the server's rule). Kernels are imported lazily, so that
+a machine without Triton or a GPU can still use the CPU path and the coordinator stays torch-free.
 """
 from __future__ import annotations
 
-__all__ = ["requantize"]
+from typing import Callable
+
+__all__ = ["requantizer", "server_requantizer"]
 
 
-def requantize(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - thin lazy re-export
-    """Lazy proxy for :func:`converter.kernels.triton_requant.requantize`."""
-    from .triton_requant import requantize as _requantize
+def requantizer(device: str) -> Callable:
+    """The exact-optimum kernel for ``device``."""
+    if device.startswith("cpu"):
+        from ..quant.cpu_kernel import requantize
+        return requantize
+    from .triton_requant import requantize
+    return requantize
 
-    return _requantize(*args, **kwargs)
+
+def server_requantizer(device: str) -> Callable:
+    """The server's load-time rule (``--scale-rule vllm-gfx942``, and the report's comparison)."""
+    if device.startswith("cpu"):
+        from ..quant.cpu_kernel import server_requantize
+        return server_requantize
+    from .triton_server_rule import requantize
+    return requantize

@@ -38,6 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .requant import STAT_FIELDS, Result
+from .server_rule import server_tables
 from .tables import E2M1_VALUES, class_int_scores, tables
 
 CHUNK = 4096  # groups per parallel work item
@@ -58,6 +59,7 @@ def _packed_tables() -> tuple[np.ndarray, ...]:
     """Per level, its candidates in blocks of 16, lane-major (slot 16 b + l holds candidate
     l * nb + b): an int32 init key per slot and, per term, 16 (lo, hi) int16 pairs of 8 F."""
     t = tables()
+    srv = server_tables()
     base = np.zeros(8, dtype=np.int64)       # first block of the level
     nblk = np.zeros(8, dtype=np.int64)       # blocks of the level
     width = -(-max(len(ix) for ix in t.members.values()) // LANES) * LANES
@@ -92,8 +94,32 @@ def _packed_tables() -> tuple[np.ndarray, ...]:
     nib = (t.q.T.astype(np.int16) + 8).astype(np.uint8)  # [K, 16]: q + 8 for each code
     nibs = np.ascontiguousarray(np.concatenate([nib, nib << 4], axis=1))
     return (np.concatenate(pairs), np.concatenate(inits), base, nblk, members, score_unit, nibs, t.exp, t.mant,
-            np.ascontiguousarray(t.abserr.T), t.abserr.max(axis=0), ((2 * E2M1_VALUES[:8]) ** 2).astype(np.int32),
-            np.ldexp(1.0, np.arange(256) - 127))
+            np.ascontiguousarray(t.abserr.T), t.abserr.max(axis=0), np.ldexp(1.0, np.arange(256) - 127),
+            np.ascontiguousarray(srv.err2[:, :8]), srv.ok, *_server_int())
+
+
+SRV_UNIT = 2.0 ** -20  # the server rule's errors at unit scale are integers in these units
+
+
+def _server_int() -> tuple[np.ndarray, np.ndarray]:
+    """The server rule's squared errors where they are scale-invariant: ``[8, 8]`` int64 per
+    (top, magnitude) in SRV_UNIT at E8M0 byte 127, and per top the first byte ``s0`` from which
+    every writable row's errors are those times ``4**(s-127)`` (below, the 1e-6 floor of the
+    group maximum acts). Both checked here against the absolute tables. Returned packed with
+    ``(2L)^2`` in the low 32 bits of each entry, for the kernel's one dot product."""
+    srv = server_tables()
+    rel = srv.err2[8 * 127: 8 * 128, :8]
+    ints = np.round(rel / SRV_UNIT)
+    assert np.array_equal(ints * SRV_UNIT, rel) and 32 * ints.max() < 2 ** 31
+    s0 = np.zeros(8, dtype=np.int64)
+    for top in range(8):
+        for s in range(254, -1, -1):
+            row = 8 * s + top
+            if srv.ok[row] and not np.array_equal(srv.err2[row, :8], rel[top] * 4.0 ** (s - 127)):
+                s0[top] = s + 1
+                break
+    l2 = ((2 * E2M1_VALUES[:8]) ** 2).astype(np.int64)  # < 2**8: a group's sum stays below 2**32
+    return (ints.astype(np.int64) << 32) | l2[None, :], s0
 
 
 def _function(builder, name, ret, args):
@@ -261,9 +287,11 @@ def _counts(x, y):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, nogil=True)
 def _chunk(words, packed, scales, out, out_scale, lo, hi, pairs, init, base, nblk, members, score_unit, nibs, exp, mant,
-           abserr_t, maxabs, l2sq, units, res):  # pragma: no cover - compiled
-    """Groups lo..hi-1: bytes, scales, and the statistics into res."""
+           abserr_t, maxabs, units, srv_err2, srv_ok, srv_pack, srv_s0, res):  # pragma: no cover - compiled
+    """Groups lo..hi-1: bytes, scales, and the statistics into res (res[5]: the server rule's
+    squared error on the same groups, from its tables: server_rule.py)."""
     e2 = 0.0
+    se2 = 0.0
     r2 = 0.0
     mx = 0.0
     nan = 0
@@ -311,9 +339,22 @@ def _chunk(words, packed, scales, out, out_scale, lo, hi, pairs, init, base, nbl
                 continue
             out_scale[g] = (field << 7) | mant[kg]
             u = units[s]
-            ref = 0
+            # one integer dot gives both sum h (2L)^2 (low 32 bits) and the server rule's error in
+            # SRV_UNIT (high bits; exact where s >= srv_s0, see _server_int): the comparison is free
+            pk = srv_pack[level]
+            acc = 0
             for c in range(1, 8):
-                ref += hs[i, c] * l2sq[c]
+                acc += hs[i, c] * pk[c]
+            ref = acc & 0xFFFFFFFF
+            srow = 8 * s + level
+            if not srv_ok[srow]:
+                se2 = math.inf
+            elif s >= srv_s0[level]:
+                se2 += (acc >> 32) * (u * u * SRV_UNIT)
+            else:  # the group's maximum is below the rule's 1e-6 floor: absolute errors
+                e = srv_err2[srow]
+                for c in range(1, level + 1):
+                    se2 += hs[i, c] * e[c]
             gr = ref * 0.25
             ge = low[i] * score_unit[level] + gr  # error = ranking score + sum h L^2, both exact
             e2 += ge * u * u
@@ -330,15 +371,17 @@ def _chunk(words, packed, scales, out, out_scale, lo, hi, pairs, init, base, nbl
     res[2] = mx
     res[3] = nan
     res[4] = bad
+    res[5] = se2
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _run(words, packed, scales, out, out_scale, partial, pairs, init, base, nblk, members, score_unit, nibs, exp, mant,
-         abserr_t, maxabs, l2sq, units):  # pragma: no cover - compiled
+         abserr_t, maxabs, units, srv_err2, srv_ok, srv_pack, srv_s0):  # pragma: no cover - compiled
     n = packed.shape[0]
     for ci in numba.prange((n + CHUNK - 1) // CHUNK):
         _chunk(words, packed, scales, out, out_scale, ci * CHUNK, min(n, (ci + 1) * CHUNK), pairs, init, base, nblk,
-               members, score_unit, nibs, exp, mant, abserr_t, maxabs, l2sq, units, partial[ci])
+               members, score_unit, nibs, exp, mant, abserr_t, maxabs, units, srv_err2, srv_ok, srv_pack, srv_s0,
+               partial[ci])
 
 
 def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | None = None,
@@ -362,18 +405,19 @@ def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | 
         o = np.empty(o.shape, dtype=np.uint8)
     out_scale = result_scales.view(torch.int16).numpy()
     words = p.view(np.uint64)
-    stats = np.zeros((len(offsets) - 1, len(STAT_FIELDS)))
+    stats = np.zeros((len(offsets) - 1, len(STAT_FIELDS) + 1))  # + the server rule's err2
     tabs = _packed_tables()
     for ti, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
         if hi == lo:
             continue
-        partial = np.zeros(((hi - lo + CHUNK - 1) // CHUNK, len(STAT_FIELDS)))
+        partial = np.zeros(((hi - lo + CHUNK - 1) // CHUNK, stats.shape[1]))
         _run(words[lo:hi], p[lo:hi], s[lo:hi], o[lo:hi], out_scale[lo:hi], partial, *tabs)
         stats[ti] = partial.sum(0)
         stats[ti, 2] = partial[:, 2].max()
     if not direct:
         result_packed.copy_(torch.from_numpy(o))
-    return Result(result_packed, result_scales, torch.from_numpy(stats))
+    return Result(result_packed, result_scales, torch.from_numpy(stats[:, :-1].copy()),
+                  server_err2=torch.from_numpy(stats[:, -1].copy()))
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -402,12 +446,101 @@ def _matvec_error(packed, scales, out, out_scale, cols, x, lut):  # pragma: no c
             yq += accq * sq
         num[r] = (yq - y) ** 2
         den[r] = y * y
-    return math.sqrt(num.sum()), math.sqrt(den.sum())
+    return num, den  # summed by the caller: an array sum here would be split over the threads
 
 
 def output_error(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, out_scales: torch.Tensor,
                  cols: int, x: torch.Tensor) -> float:
     """||(W_int4 - W) x|| / ||W x|| for one matrix given as groups, without decoding it whole."""
-    num, den = _matvec_error(packed.numpy(), scales.numpy(), out.numpy(), out_scales.double().numpy(),
-                             cols, x.double().numpy(), E2M1_VALUES)
+    rows_num, rows_den = _matvec_error(packed.numpy(), scales.numpy(), out.numpy(), out_scales.double().numpy(),
+                                       cols, x.double().numpy(), E2M1_VALUES)
+    # summed exactly, so the figure does not depend on how many threads computed the rows
+    num, den = math.sqrt(math.fsum(rows_num.tolist())), math.sqrt(math.fsum(rows_den.tolist()))
     return num / den if den > 0 else 0.0
+
+
+@functools.cache
+def _server_tables() -> tuple[np.ndarray, ...]:
+    """The server rule's tables (server_rule.py) shaped for the kernel: per row ``8 s + top``
+    the two nibble shuffles, the scale bits, and per magnitude 0..7 (both signs alike) the
+    squared and absolute error, plus each row's largest absolute error."""
+    t = server_tables()
+    assert np.array_equal(t.q[:, 1:8], -t.q[:, 9:16]), "the server rule is symmetric"
+    nibs = np.ascontiguousarray(np.concatenate([t.nib, t.nib << 4], axis=1))
+    return (nibs, t.bits, t.ok, np.ascontiguousarray(t.err2[:, :8]), np.ascontiguousarray(t.abserr[:, :8]),
+            t.abserr.max(axis=1), ((2 * E2M1_VALUES[:8]) ** 2).astype(np.int32), np.ldexp(1.0, np.arange(256) - 127))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _server_run(words, packed, scales, out, out_scale, partial, nibs, bits, ok, err2m, abserrm, amax_row, l2sq,
+                units):  # pragma: no cover - compiled
+    n = packed.shape[0]
+    for ci in numba.prange((n + CHUNK - 1) // CHUNK):
+        e2 = 0.0
+        r2 = 0.0
+        mx = 0.0
+        nan = 0
+        bad = 0
+        for g in range(ci * CHUNK, min(n, (ci + 1) * CHUNK)):
+            h1, h2, h3, h4, h5, h6, h7, hn, level = _counts(words[g, 0], words[g, 1])
+            s = np.int64(scales[g])
+            row = 8 * s + level
+            if s == 255:
+                nan += 1
+                row = 0
+            _write_bytes(packed, out, g, nibs, row)
+            if s == 255 or not ok[row]:
+                bad += s != 255
+                out_scale[g] = 0
+                continue
+            out_scale[g] = bits[row]
+            e = err2m[row]
+            # a tree, not a chain: the groups' sums overlap in the pipeline
+            e2 += ((h1 * e[1] + h2 * e[2]) + (h3 * e[3] + h4 * e[4])) + ((h5 * e[5] + h6 * e[6]) + h7 * e[7])
+            ref = h1 * l2sq[1] + h2 * l2sq[2] + h3 * l2sq[3] + h4 * l2sq[4] + h5 * l2sq[5] + h6 * l2sq[6] + \
+                h7 * l2sq[7]
+            u = units[s]
+            r2 += ref * 0.25 * u * u
+            if amax_row[row] > mx:  # only then can the group raise the maximum
+                a = abserrm[row]
+                hs = (0, h1, h2, h3, h4, h5, h6, h7)
+                for c in range(1, level + 1):
+                    if hs[c] > 0:
+                        mx = max(mx, a[c])
+        partial[ci, 0] = e2
+        partial[ci, 1] = r2
+        partial[ci, 2] = mx
+        partial[ci, 3] = nan
+        partial[ci, 4] = bad
+
+
+def server_requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | None = None,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Result:
+    """The server's load-time rule (``--scale-rule vllm-gfx942``): same contract and bytes as
+    ``server_rule.requantize``, table lookups only (a NaN or out-of-range group's bytes are
+    meaningless: its tensor is refused, and its figures left out)."""
+    if packed.dtype != torch.uint8 or scales.dtype != torch.uint8 or packed.dim() != 2 \
+            or packed.shape[1] != 16 or scales.shape != packed.shape[:1]:
+        raise ValueError(f"expected uint8 packed [G, 16] and scales [G], got {tuple(packed.shape)}, {tuple(scales.shape)}")
+    offsets = list(offsets) if offsets is not None else [0, packed.shape[0]]
+    if out is None:
+        out = (torch.empty_like(packed, memory_format=torch.contiguous_format),
+               torch.empty(scales.shape, dtype=torch.bfloat16))
+    p, s = np.ascontiguousarray(packed.numpy()), scales.numpy()
+    o, out_scale = out[0].numpy(), out[1].view(torch.int16).numpy()
+    direct = o.flags.c_contiguous  # the byte writes address rows of 16 contiguous bytes
+    if not direct:
+        o = np.empty(o.shape, dtype=np.uint8)
+    words = p.view(np.uint64)
+    tabs = _server_tables()
+    stats = np.zeros((len(offsets) - 1, len(STAT_FIELDS)))
+    for ti, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
+        if hi == lo:
+            continue
+        partial = np.zeros(((hi - lo + CHUNK - 1) // CHUNK, len(STAT_FIELDS)))
+        _server_run(words[lo:hi], p[lo:hi], s[lo:hi], o[lo:hi], out_scale[lo:hi], partial, *tabs)
+        stats[ti] = partial.sum(0)
+        stats[ti, 2] = partial[:, 2].max()
+    if not direct:
+        out[0].copy_(torch.from_numpy(o))
+    return Result(out[0], out[1], torch.from_numpy(stats))

@@ -32,6 +32,9 @@ class Result:
     packed: torch.Tensor   # [G, 16] uint8; little-endian int32 words of compressed-tensors
     scales: torch.Tensor   # [G] bfloat16
     stats: torch.Tensor    # [T, 5] float64, columns STAT_FIELDS
+    # [T] float64: sum of squared errors the server's load-time rule (server_rule.py) would give
+    # on the same groups, where a kernel computes it on the way (the numba CPU one); else None
+    server_err2: torch.Tensor | None = None
 
 
 def histogram(packed: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,165 @@
+"""What every MXFP4 source dialect shares, and the registry that names them.
+
+Each dialect (compressed-tensors, Quark) is one module under ``formats/`` that registers a
+:class:`Dialect` by name; a profile's ``source`` names the dialect that reads it. The
+dialect modules import this one and never each other, the way compressed-tensors keeps its
+formats apart.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import BadInput
+
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+PACKED, SCALE, SHAPE = "weight_packed", "weight_scale", "weight_shape"
+DROP_FLAG = "--drop-activation-quant"
+# what the manifest and report say DST holds (the int4 block below); verify expects exactly this
+TARGET_FORMAT = "compressed-tensors pack-quantized int4 group 32 symmetric, bf16 scales"
+
+
+def quant_blocks(config: dict, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dict]]:
+    """Every ``quantization_config`` in the config, with its key path (top-level and nested)."""
+    found = []
+    for key, value in config.items():
+        if key == "quantization_config" and isinstance(value, dict):
+            found.append((path + (key,), value))
+        elif isinstance(value, dict):
+            found.extend(quant_blocks(value, path + (key,)))
+    return found
+
+
+def dotted(path: tuple[str, ...]) -> str:
+    return ".".join(path)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """compressed-tensors semantics: ``re:`` patterns match from the start, others exactly."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern
+
+
+# ---------------------------------------------------------------------------- the source
+
+@dataclass(frozen=True)
+class MXFP4Source:
+    """How a checkpoint stores its MXFP4 linears, which ones, and what else its config says.
+
+    ``packed_suffix``/``scale_suffix`` name a module's two tensors; ``scale_bias`` is the
+    exponent bias of the stored E8M0 bytes (127 in OCP; compressed-tensors 0.13.0 wrote 125);
+    ``dropped`` lists what ``--drop-activation-quant`` removed, verbatim, for the record.
+    """
+
+    dialect: str
+    blocks: tuple[tuple[str, ...], ...]   # where the MXFP4 quantization_config blocks sit
+    packed_suffix: str
+    scale_suffix: str = SCALE
+    scale_bias: int = 127
+    scale_note: str = "OCP E8M0 (bias 127)"
+    dropped: tuple[dict, ...] = ()
+    dropped_tensors: tuple[str, ...] = ()  # tensor-name suffixes that only served dropped parts
+
+    def selects(self, module: str) -> bool:
+        raise NotImplementedError
+
+    def int4_config(self, config: dict, converted: list[str], unconverted: list[str]) -> dict:
+        raise NotImplementedError
+
+    def record(self) -> dict[str, Any]:
+        """What the manifest and report say about the source's quantization."""
+        return {"dialect": self.dialect, "blocks": [dotted(p) for p in self.blocks],
+                "packed_suffix": self.packed_suffix, "scale_bias": self.scale_bias,
+                "scale_convention": self.scale_note, "dropped": list(self.dropped)}
+
+
+def int4_weights() -> dict[str, Any]:
+    return {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+            "dynamic": False, "actorder": None, "observer": "minmax"}
+
+
+# A routed expert under every name a loader gives it: the checkpoint's (experts.E.w1|w2|w3 or
+# gate_proj|up_proj|down_proj) and vLLM's, which asks for the scheme of <layer>.experts.0.gate_proj|
+# up_proj|down_proj whatever the checkpoint calls them (docs/serving.md, "Names").
+EXPERT_TARGET = r"re:.*\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$"
+VLLM_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def vllm_lookup_name(expert_module: str) -> str:
+    """The name vLLM's compressed-tensors MoE method asks the scheme of, for a layer's experts."""
+    head, proj = expert_module.rsplit(".", 1)
+    layer = head.rsplit(".", 1)[0]
+    return f"{layer}.0.{VLLM_PROJ.get(proj, proj)}"
+
+
+def int4_targets(converted: list[str], kept: list[str], inherited_ignore: list[str] = ()) -> tuple[list[str], list[str]]:
+    """targets and ignore that select exactly the converted modules, both for compressed-tensors
+    on the checkpoint's names and for vLLM on its own (fused layers, MTP, vLLM's expert names):
+    routed experts by one pattern, any other converted module by exact name, never a class name.
+    The source's ignore entries are kept unless one would catch a converted layer's experts under
+    vLLM's name; kept experts the pattern catches are ignored under both names."""
+    experts = [m for m in converted if _matches(m, EXPERT_TARGET)]
+    others = sorted(set(converted) - set(experts))
+    lookups = {vllm_lookup_name(m) for m in experts}
+    ignore = [p for p in inherited_ignore if not any(_matches(n, p) for n in lookups)]
+    kept_experts = [m for m in kept if _matches(m, EXPERT_TARGET)]
+    ignore += sorted({*kept_experts, *(vllm_lookup_name(m) for m in kept_experts)} - set(ignore))
+    return ([EXPERT_TARGET] if experts else []) + others, ignore
+
+
+def int4_block(targets: list[str], ignore: list[str], keep: dict[str, Any] | None = None) -> dict:
+    """The compressed-tensors pack-quantized int4 group-32 block that replaces an MXFP4 one."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": list(targets), "format": "pack-quantized",
+            "input_activations": None, "output_activations": None, "weights": int4_weights(),
+        }},
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        **(keep or {}),
+    }
+
+
+def drop_or_refuse(where: str, spec: Any, what: str, drop: bool, dropped: list[dict], problems: list[str]) -> None:
+    """Quantization a weight-only int4 output cannot carry: recorded verbatim when the user
+    asked to drop it, else a problem that says how to."""
+    if drop:
+        dropped.append({"where": where, "what": spec})
+    else:
+        problems.append(f"{where} quantizes {what}; k3convert writes weight-only int4 (W4A16): "
+                        f"pass {DROP_FLAG} to convert anyway")
+
+
+# ---------------------------------------------------------------------------- the registry
+
+@dataclass(frozen=True)
+class Dialect:
+    """One source dialect: which quantization_config blocks are its own, whether one holds
+    MXFP4 weights, and the reader that turns the config into an :class:`MXFP4Source`."""
+
+    name: str
+    claims: Callable[[dict], bool]                       # the block is written in this dialect
+    is_mxfp4: Callable[[dict], bool]                     # ... and quantizes weights as MXFP4
+    read: Callable[[dict, str, bool], MXFP4Source]       # (config, config_path, drop) -> source
+
+
+DIALECTS: dict[str, Dialect] = {}
+
+
+def register(d: Dialect) -> Dialect:
+    DIALECTS[d.name] = d
+    return d
+
+
+def named(name: str, where: str | None = None) -> Dialect:
+    """The registered dialect called ``name`` (a profile's ``source``), or BadInput."""
+    try:
+        return DIALECTS[name]
+    except KeyError:
+        raise BadInput(f"no MXFP4 dialect named {name!r} (known: {', '.join(sorted(DIALECTS))})",
+                       file=where) from None

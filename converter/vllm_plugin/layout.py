@@ -1,0 +1,101 @@
+"""k3convert int4 experts -> the layout AITER's packed-int4 a16w4 MoE kernel reads (torch only).
+
+Integer permutations only: no value is dequantized or requantized. The target is what vLLM 0.33's
+load-time path (`quantization/mxfp4.py` `_setup_kernel_k3_situ_gfx942`) hands aiter on gfx942:
+  weight: signed int4 codes [E, N, K] -> aiter `shuffle_weight(x, (16, 16))` on one int8 per code
+          -> `pack_int8_to_packed_int4` (8 codes v0..v7 -> bytes v_j & 0xF | v_{j+4} << 4) -> [E, N, K/2];
+  scale:  bf16 [E, G, N] -> `shuffle_scale_for_int4` -> [E, G/2, N, 2], flattened.
+Our checkpoint holds compressed-tensors words (int32 [E, N, K/8], nibble k%8 of word k//8 = q+8) and
+bf16 scales [E, N, G], as vLLM's WNA16 MoE loader shards them (N-first).
+"""
+from __future__ import annotations
+
+import torch
+
+GROUP = 32
+SHUFFLE_N = 16   # rows per (16, 16) tile
+SHUFFLE_K = 32   # codes per tile row: BK = 2 * IK for one-byte elements
+CHUNK_EXPERTS = 4
+
+
+def check_dims(n: int, k: int) -> str | None:
+    """Why an [N, K] expert matrix cannot take this layout, or None."""
+    if n % SHUFFLE_N:
+        return f"output size {n} is not a multiple of {SHUFFLE_N}"
+    if k % (2 * GROUP):
+        return f"input size {k} is not a multiple of {2 * GROUP} (the scale layout pairs groups of {GROUP})"
+    return None
+
+
+def ct_words_to_codes(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., N, K/8] compressed-tensors words -> int8 [..., N, K] codes in [-8, 7]."""
+    nib = words.contiguous().view(torch.uint8)          # little-endian: byte b = nibbles 2b, 2b+1
+    codes = torch.stack((nib & 15, nib >> 4), dim=-1)   # [..., N, K/2, 2]
+    return (codes.view(*words.shape[:-1], words.shape[-1] * 8).to(torch.int8) - 8)
+
+
+def shuffle_16x16(codes: torch.Tensor) -> torch.Tensor:
+    """aiter's (16, 16) preshuffle of one-byte values [..., N, K] (the same view/permute)."""
+    *lead, n, k = codes.shape
+    x = codes.reshape(-1, n // SHUFFLE_N, SHUFFLE_N, k // SHUFFLE_K, 2, 16)
+    return x.permute(0, 1, 3, 4, 2, 5).contiguous().view(*lead, n, k)
+
+
+def pack_i4x2(shuffled: torch.Tensor) -> torch.Tensor:
+    """int8 codes [..., N, K] -> uint8 [..., N, K/2]: per 8 codes, byte j = v_j & 0xF | (v_{j+4} & 0xF) << 4."""
+    *lead, n, k = shuffled.shape
+    u = (shuffled.view(torch.uint8) & 15).reshape(-1, 2, 4)   # [blocks, (v0..3 | v4..7), 4]
+    return (u[:, 0] | (u[:, 1] << 4)).reshape(*lead, n, k // 2)
+
+
+def weights_to_aiter(words: torch.Tensor) -> torch.Tensor:
+    """int32 CT words [E, N, K/8] -> packed shuffled int4 bytes (uint8) [E, N, K/2]."""
+    return pack_i4x2(shuffle_16x16(ct_words_to_codes(words)))
+
+
+def scales_to_aiter(scales: torch.Tensor) -> torch.Tensor:
+    """bf16 [E, N, G] (checkpoint order) -> bf16 [E, G/2, N, 2]: two adjacent groups of a row per dword."""
+    e, n, g = scales.shape
+    return scales.view(e, n, g // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def convert_experts_(words: torch.Tensor, scales: torch.Tensor,
+                     chunk: int = CHUNK_EXPERTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay out all of a layer's experts IN PLACE, `chunk` experts at a time.
+
+    Each expert's packed bytes take exactly its words' storage (N * K/2 bytes) and the layout never
+    crosses experts, so the result overwrites the source: transient memory is one chunk. Returns views
+    of the same storage: (uint8 [E, N, K/2], bf16 flat [E * G/2 * N * 2]), the shapes the load-time
+    path leaves. `words` [E, N, K/8] int32 and `scales` [E, N, G] must be contiguous.
+    """
+    e, n, k8 = words.shape
+    g = scales.shape[-1]
+    out_w = words.view(torch.uint8).view(e, n, k8 * 4)
+    out_s = scales.view(e, n * g)
+    for lo in range(0, e, chunk):
+        hi = min(lo + chunk, e)
+        w = weights_to_aiter(words[lo:hi])            # fresh tensors: read before the chunk is overwritten
+        s = scales_to_aiter(scales[lo:hi]).view(hi - lo, n * g)
+        out_w[lo:hi].copy_(w)
+        out_s[lo:hi].copy_(s)
+    return out_w, out_s.view(-1)
+
+
+def probe(shuffle_weight, pack_int8_to_packed_int4, shuffle_scale_for_int4) -> str | None:
+    """Why aiter's own layout functions (the load-time path's) disagree with these, or None.
+
+    Run where the plugin serves, against the installed aiter: a build whose kernel reads another layout
+    is refused instead of fed wrong bytes. Small random codes (including -8) and scales, on the CPU.
+    """
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(-8, 8, (2, 32, 128), dtype=torch.int8, generator=gen)
+    theirs = pack_int8_to_packed_int4(shuffle_weight(codes.clone(), (16, 16)))
+    ours = pack_i4x2(shuffle_16x16(codes))
+    if not torch.equal(theirs.contiguous().view(torch.uint8).reshape(-1), ours.reshape(-1)):
+        return "aiter's shuffle_weight/pack_int8_to_packed_int4 lay out int4 codes differently"
+    scale_ng = torch.randn(2, 32, 4, generator=gen).to(torch.bfloat16)   # [E, N, G]
+    theirs_s = shuffle_scale_for_int4(scale_ng.transpose(1, 2).contiguous(), group_size=GROUP)
+    if not torch.equal(theirs_s.contiguous().view(-1).view(torch.int16),
+                       scales_to_aiter(scale_ng).view(-1).view(torch.int16)):
+        return "aiter's shuffle_scale_for_int4 lays out bf16 group scales differently"
+    return None

@@ -1,0 +1,122 @@
+"""Does the plugin take this checkpoint on this machine? Pure decisions, no vLLM import.
+
+`decide` answers None (stay out of the way: stock vLLM decides), or the plugin's method name, or
+raises `Refused` with one line saying why the plugin will not serve a checkpoint it is meant for.
+The facts about the machine (platform, GPU, aiter, vLLM version) are gathered by `vllm_config.py`.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+NAME = "k3convert-int4-gfx942"
+VLLM_SERIES = "0.33."                          # the vLLM the layout and kernel build were written for
+GEMM1_PARAMS = ("act", "situ_beta", "situ_linear_beta")
+PREFIX = "k3convert vLLM plugin:"
+
+
+class Refused(RuntimeError):
+    """The checkpoint is one the plugin is meant for, but it will not serve it here."""
+
+    def __init__(self, why: str):
+        super().__init__(f"{PREFIX} {why}")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What vLLM and aiter report on this process's machine."""
+    is_rocm: bool
+    on_gfx942: bool = False
+    aiter_moe_enabled: bool = False
+    vllm_version: str = ""
+    gemm1: Callable[..., Any] | None = None    # aiter's flydsl_a16w4_gemm1, None if it cannot be imported
+
+
+def _get(cfg: Any, key: str) -> Any:
+    return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
+
+
+def text_config(hf_config: Any) -> Any:
+    """K3 keeps the language model's fields (hidden_act, situ betas) in text_config."""
+    return _get(hf_config, "text_config") or hf_config
+
+
+def is_kimi_k3(hf_config: Any) -> bool:
+    return hf_config is not None and _get(hf_config, "model_type") == "kimi_k3"
+
+
+def int4_groups(quant_cfg: Mapping) -> list[tuple[str, Mapping]]:
+    """(group name, weights args) of every config group with integer 4-bit weights."""
+    out = []
+    for name, group in (quant_cfg.get("config_groups") or {}).items():
+        w = group.get("weights") if isinstance(group, Mapping) else None
+        if isinstance(w, Mapping) and w.get("type", "int") == "int" and w.get("num_bits") == 4:
+            out.append((name, group))
+    return out
+
+
+def scheme_problem(weights: Mapping, input_activations: Any, fmt: Any) -> str | None:
+    """Why an int4 weight scheme is not int4 group-32 symmetric pack-quantized weight-only, or None."""
+    if fmt not in (None, "pack-quantized"):
+        return f"format {fmt!r} (expected 'pack-quantized')"
+    if weights.get("strategy") != "group" or weights.get("group_size") != 32:
+        return f"strategy {weights.get('strategy')!r} group_size {weights.get('group_size')!r} (expected group 32)"
+    if weights.get("symmetric") is not True:
+        return "asymmetric weights (expected symmetric: the kernel has no zero points)"
+    if weights.get("actorder") not in (None, False):
+        return f"actorder {weights.get('actorder')!r} (expected none: the kernel reads groups in order)"
+    if weights.get("dynamic") not in (None, False):
+        return "dynamic weight quantization (expected static)"
+    if input_activations:
+        return "quantized input activations (the kernel is weight-only, bf16 activations)"
+    return None
+
+
+def gemm1_problem(gemm1: Callable[..., Any] | None) -> str | None:
+    """Why aiter's packed-int4 stage-1 entry point cannot compute SiTUv2, or None."""
+    if gemm1 is None:
+        return ("aiter has no aiter.ops.flydsl.kernels.moe_2stage_a16wmix.flydsl_a16w4_gemm1 "
+                "(no packed-int4 a16w4 MoE path)")
+    try:
+        params = inspect.signature(gemm1).parameters
+    except (TypeError, ValueError):
+        return "aiter's flydsl_a16w4_gemm1 has no readable signature"
+    missing = [p for p in GEMM1_PARAMS if p not in params]
+    if missing:
+        return (f"aiter's flydsl_a16w4_gemm1 takes no {', '.join(missing)}: it would compute SiLU, "
+                "not K3's SiTUv2; install an aiter with the SiTUv2 packed-int4 pipeline")
+    return None
+
+
+def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
+           machine: Machine, warn: Callable[[str], None] = lambda _m: None) -> str | None:
+    """The override_quantization_method answer for this checkpoint on this machine."""
+    if not machine.is_rocm or not isinstance(quant_cfg, Mapping):
+        return None
+    if user_quant not in (None, NAME, "compressed-tensors"):
+        return None
+    if quant_cfg.get("quant_method") != "compressed-tensors" or not is_kimi_k3(hf_config):
+        return None
+    groups = int4_groups(quant_cfg)
+    text = text_config(hf_config)
+    if not groups or _get(text, "hidden_act") != "situ":
+        return None
+    if not machine.on_gfx942:
+        return None
+    if not machine.aiter_moe_enabled:
+        warn(f"{PREFIX} inactive: AITER MoE is off (set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1); "
+             "stock vLLM has no int4 SiTU MoE kernel on gfx942")
+        return None
+    if not machine.vllm_version.startswith(VLLM_SERIES):
+        raise Refused(f"written for vLLM {VLLM_SERIES}x, found vLLM {machine.vllm_version or 'unknown'}")
+    if (why := gemm1_problem(machine.gemm1)) is not None:
+        raise Refused(why)
+    for name, group in groups:
+        why = scheme_problem(group["weights"], group.get("input_activations"),
+                             group.get("format", quant_cfg.get("format")))
+        if why is not None:
+            raise Refused(f"quantization_config.config_groups.{name}: {why}")
+    if _get(text, "activation_situ_linear_beta") is None:
+        raise Refused("config.json has no activation_situ_linear_beta (K3's SiTUv2 needs it)")
+    return NAME

@@ -1,0 +1,86 @@
+"""The registered quantization config: compressed-tensors everywhere, but K3's int4 routed experts
+take the AITER packed-int4 method. Imports vLLM (only from `register`); the MoE method module, which
+pulls in vLLM's MXFP4 and AITER code, is imported only when that route is taken.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+    CompressedTensorsConfig,
+)
+
+from . import route
+
+logger = init_logger(__name__)
+
+
+def machine() -> route.Machine:
+    """Facts about this process's machine, each read the way vLLM 0.33's own gfx942 route reads it."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_rocm():
+        return route.Machine(is_rocm=False)
+    import vllm
+
+    try:
+        from vllm.platforms.rocm import on_gfx942
+        gfx942 = bool(on_gfx942())
+    except Exception:  # noqa: BLE001 - an unknown vLLM or platform is simply not gfx942 to us
+        gfx942 = False
+    try:
+        from vllm._aiter_ops import rocm_aiter_ops
+        moe_on = bool(rocm_aiter_ops.is_fused_moe_enabled())
+    except Exception:  # noqa: BLE001
+        moe_on = False
+    gemm1 = None
+    if gfx942 and moe_on:
+        try:
+            from aiter.ops.flydsl.kernels.moe_2stage_a16wmix import flydsl_a16w4_gemm1 as gemm1
+        except Exception:  # noqa: BLE001 - reported by route.gemm1_problem as "no packed-int4 path"
+            gemm1 = None
+    return route.Machine(True, gfx942, moe_on, getattr(vllm, "__version__", ""), gemm1)
+
+
+class K3Int4Gfx942Config(CompressedTensorsConfig):
+    """compressed-tensors, except Kimi K3's int4 g32 SiTU routed experts on gfx942 with AITER MoE."""
+
+    def get_name(self) -> str:  # type: ignore[override]
+        return route.NAME
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
+                                     hf_config: Any = None) -> str | None:
+        return route.decide(hf_quant_cfg, user_quant, hf_config, machine(), warn=logger.warning)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+        if isinstance(layer, RoutedExperts):
+            weights = self._int4_expert_weights(layer, prefix)
+            if weights is not None:
+                from .moe_method import K3Int4AiterMoEMethod
+                return K3Int4AiterMoEMethod(weights, layer.moe_config, prefix)
+        return super().get_quant_method(layer, prefix)
+
+    def _int4_expert_weights(self, layer: Any, prefix: str):
+        """The experts' int4 weight args, checked as route.scheme_problem checks the JSON; None if not int4.
+
+        Same scheme lookup as vLLM's CompressedTensorsMoEMethod.get_moe_method (`{prefix}.0.gate_proj`...).
+        """
+        self._add_fused_moe_to_target_scheme_map()
+        names = [f"{prefix}.0.{p}" for p in (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name,
+                                             layer.ckpt_down_proj_name)]
+        schemes = [self.get_scheme_dict(layer, n) for n in names]
+        if any(s != schemes[0] for s in schemes) or not schemes[0]:
+            return None   # mixed or unquantized: vLLM's own method raises or serves it
+        w = schemes[0].get("weights")
+        if w is None or str(getattr(w.type, "value", w.type)) != "int" or w.num_bits != 4:
+            return None
+        args = w.model_dump(mode="json")
+        why = route.scheme_problem(args, schemes[0].get("input_activations"), schemes[0].get("format"))
+        if why is not None:
+            raise route.Refused(f"{prefix}: {why}")
+        return w

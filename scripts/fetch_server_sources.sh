@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Fetch the few server source files tests/test_vllm_plugin.py compares the plugin's layout against
+# (vLLM's and aiter's own code; never copied into this repo), from their released PyPI wheels:
+#   vllm 0.33.0            model_executor/layers/quantization/mxfp4.py and
+#                          .../compressed_tensors_moe/compressed_tensors_moe_w4a16_flydsl.py
+#   amd-aiter 0.1.7.post2.dev18  aiter/ops/shuffle.py
+# Usage: eval "$(bash scripts/fetch_server_sources.sh [DEST])"   (prints the two export lines)
+# DEST defaults to $K3CONVERT_SERVER_SOURCES, else ~/.cache/k3convert/server-sources. Idempotent:
+# once the files are there nothing is downloaded. The vllm wheel is ~340 MB; it is deleted after.
+set -euo pipefail
+
+dest="${1:-${K3CONVERT_SERVER_SOURCES:-${XDG_CACHE_HOME:-$HOME/.cache}/k3convert/server-sources}}"
+py="${PYTHON:-python3}"
+VLLM_FILES=(
+  vllm/model_executor/layers/quantization/mxfp4.py
+  vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/compressed_tensors_moe_w4a16_flydsl.py
+)
+AITER_FILES=(aiter/ops/shuffle.py)
+
+have_all() {
+  for f in "${VLLM_FILES[@]}"; do [ -f "$dest/vllm033/$f" ] || return 1; done
+  for f in "${AITER_FILES[@]}"; do [ -f "$dest/aiter/$f" ] || return 1; done
+}
+
+if ! have_all; then
+  mkdir -p "$dest/wheels"
+  "$py" -m pip download --quiet --no-deps --only-binary=:all: --dest "$dest/wheels" \
+    vllm==0.33.0 amd-aiter==0.1.7.post2.dev18 >&2
+  "$py" - "$dest" "${VLLM_FILES[*]}" "${AITER_FILES[*]}" <<'PY'
+import glob, hashlib, os, sys, zipfile
+dest, vllm_files, aiter_files = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
+for pattern, sub, files in (("vllm-0.33.0-*.whl", "vllm033", vllm_files),
+                            ("amd_aiter-0.1.7.post2.dev18-*.whl", "aiter", aiter_files)):
+    (wheel,) = glob.glob(os.path.join(dest, "wheels", pattern))
+    with zipfile.ZipFile(wheel) as z:
+        for name in files:
+            out = os.path.join(dest, sub, name)
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            with open(out, "wb") as f:
+                f.write(z.read(name))
+    with open(wheel, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(dest, sub, "WHEEL_SHA256"), "w") as f:
+        f.write(f"{digest}  {os.path.basename(wheel)}\n")
+    os.remove(wheel)
+PY
+  have_all || { echo "fetch_server_sources: files missing after extraction in $dest" >&2; exit 1; }
+fi
+
+echo "export K3CONVERT_VLLM033_SRC=$dest/vllm033/vllm"
+echo "export K3CONVERT_AITER_SRC=$dest/aiter/aiter"
