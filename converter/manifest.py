@@ -10,7 +10,7 @@ import fcntl
 import hashlib
 import json
 import os
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import zstandard
 
@@ -41,42 +41,35 @@ def temp_name(path: str) -> str:
 def stage(path: str, data: bytes) -> str:
     """Write ``data`` to a fresh temporary beside ``path`` and fsync it; returns the temporary.
 
-    Every coordinator write goes through here: an OSError (ENOSPC, EIO, no inodes) becomes an
-    OutputError naming ``path`` (exit 4) and leaves no temporary behind."""
-    tmp = temp_name(path)
-    fd = fresh_file(tmp)  # OutputError itself
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        discard(tmp)
-        raise OutputError(f"cannot write: {e.strerror}", file=path) from None
-    except BaseException:
-        discard(tmp)
-        raise
-    return tmp
+    Every coordinator write goes through here (or ``stage_copy``): an OSError (ENOSPC, EIO, no
+    inodes) becomes an OutputError naming ``path`` (exit 4) and leaves no temporary behind."""
+    return _staged(path, lambda f: f.write(data))
 
 
 def stage_copy(src_path: str, path: str) -> str:
     """Copy a (regular) source file to a fresh temporary beside ``path``, fsynced; as ``stage``.
     A read error names the source file, a write error ``path``."""
+    def fill(w) -> None:
+        with os.fdopen(open_regular(src_path), "rb") as r:  # BadInput for a FIFO or device
+            while True:
+                try:
+                    buf = r.read(1 << 24)
+                except OSError as e:
+                    raise OutputError(f"cannot read: {e.strerror}", file=src_path) from None
+                if not buf:
+                    break
+                w.write(buf)
+    return _staged(path, fill)
+
+
+def _staged(path: str, fill: Callable[[BinaryIO], None]) -> str:
     tmp = temp_name(path)
-    fd = fresh_file(tmp)
+    fd = fresh_file(tmp)  # OutputError itself
     try:
-        with os.fdopen(fd, "wb") as w:
-            with os.fdopen(open_regular(src_path), "rb") as r:  # BadInput for a FIFO or device
-                while True:
-                    try:
-                        buf = r.read(1 << 24)
-                    except OSError as e:
-                        raise OutputError(f"cannot read: {e.strerror}", file=src_path) from None
-                    if not buf:
-                        break
-                    w.write(buf)
-            w.flush()
-            os.fsync(w.fileno())
+        with os.fdopen(fd, "wb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
         discard(tmp)
         raise OutputError(f"cannot write: {e.strerror}", file=path) from None

@@ -195,7 +195,8 @@ RULES: dict[str, Rule] = {r.id: r for r in (
                "the server sizes (E, ...) params from config, then copy_ the tensors into them"),
          "make config moe_intermediate_size / routed_expert_hidden_size (or hidden_size) match the tensors"),
     Rule("kernel", "a MoE kernel that takes the experts' activation, at int4 memory", KERNEL_WHERE,
-         "serve K3 (SiTU) with vllm-rocm-plugin on gfx942 or vLLM on CUDA (vllm-cuda)"),
+         "for SiTU experts: on gfx942 serve with k3convert's vLLM plugin (vllm-rocm-plugin: hidden and "
+         "per-rank intermediate sizes multiples of 128), on CUDA with vLLM (vllm-cuda)"),
 )}
 
 

@@ -26,7 +26,7 @@ from .errors import BadInput, OutputError
 from .formats import mxfp4
 from .formats.checkpoint import PACKED, SCALE, SHAPE
 from .formats.safetensors_io import ShardWriter
-from .plan import Convert, Copy, ShardPlan
+from .plan import Convert, ShardPlan
 from .safepath import open_regular
 from .quant.requant import STAT_FIELDS, Result
 from .quant.rules import RULES

@@ -13,7 +13,6 @@ import shutil
 import sys
 
 import pytest
-import torch
 
 from converter import profiles
 from converter.fixture import FixtureSpec, config as k3_config

@@ -224,7 +224,7 @@ def _rename(mapping: dict[str, str], layer_filter: str = "") -> callable:
     def edit(t):
         for k in list(t):
             for old, new in mapping.items():
-                if f".experts." in k and layer_filter in k and f".{old}." in k:
+                if ".experts." in k and layer_filter in k and f".{old}." in k:
                     t[k.replace(f".{old}.", f".{new}.")] = t.pop(k)
     return edit
 

@@ -26,7 +26,7 @@ from converter.fixture import IGNORE
 from converter.plan import build_plan
 from converter.verify import brute_force_min
 
-from conftest import MANIFEST, REPORT, assert_not_complete, ct_int4_q, read_json, write_json
+from conftest import REPORT, assert_not_complete, ct_int4_q, read_json, write_json
 from test_profiles import CT013, converts, ct013_copy, refused
 
 CT_EXPERTS = "model.layers.1.block_sparse_moe.experts."

@@ -98,6 +98,13 @@ def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | 
     tensor). The int4 bytes keep the input's nibble positions: a group's 32 values q+8 sit at
     nibble k of little-endian int32 word k//8, as compressed-tensors packs them.
     """
+    return by_chunks(_chunk, packed, scales, offsets, out)
+
+
+def by_chunks(chunk, packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | None = None,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Result:
+    """Apply a rule's ``chunk(packed, scales) -> (bytes, bf16 bits, figures)`` to a batch, a
+    bounded chunk at a time, with the fast kernels' contract (shapes, offsets, ``out``)."""
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise TypeError("packed and scales must be uint8")
     if packed.dim() != 2 or packed.shape[1] != 16 or scales.shape != packed.shape[:1]:
@@ -105,12 +112,12 @@ def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | 
             f"expected packed [G, 16] and scales [G], got {tuple(packed.shape)} and {tuple(scales.shape)}")
     offsets = list(offsets) if offsets is not None else [0, packed.shape[0]]
     result = torch.empty_like(packed)
-    out_scale = torch.empty(scales.shape, dtype=torch.int16)
+    out_scale = torch.empty(scales.shape, dtype=torch.int16, device=packed.device)
     stats = torch.zeros(len(offsets) - 1, len(STAT_FIELDS), dtype=torch.float64)
     for ti, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
         for lo in range(start, end, CHUNK_GROUPS):
             hi = min(lo + CHUNK_GROUPS, end)
-            result[lo:hi], out_scale[lo:hi], fig = _chunk(packed[lo:hi], scales[lo:hi])
+            result[lo:hi], out_scale[lo:hi], fig = chunk(packed[lo:hi], scales[lo:hi])
             row = stats[ti]
             row[0] += fig[0]
             row[1] += fig[1]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .requant import CHUNK_GROUPS, STAT_FIELDS, Result
+from .requant import Result, by_chunks
 from .tables import E2M1_VALUES, E8M0_NAN
 
 QLIM = 7                       # per_1x32_i4_quant clamps to [-7, 7]
@@ -123,25 +123,4 @@ def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | 
                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Result:
     """The server's rule on ``G`` groups, on the tensors' device (reference; same contract as
     ``requant.requantize``). Zero groups get the rule's scale bf16(bf16(1e-6) / 7), not 0."""
-    if packed.dtype != torch.uint8 or scales.dtype != torch.uint8 or packed.dim() != 2 \
-            or packed.shape[1] != 16 or scales.shape != packed.shape[:1]:
-        raise ValueError(f"expected uint8 packed [G, 16] and scales [G], got {tuple(packed.shape)}, {tuple(scales.shape)}")
-    offsets = list(offsets) if offsets is not None else [0, packed.shape[0]]
-    result = torch.empty_like(packed)
-    out_scale = torch.empty(scales.shape, dtype=torch.int16, device=packed.device)
-    stats = torch.zeros(len(offsets) - 1, len(STAT_FIELDS), dtype=torch.float64)
-    for ti, (start, end) in enumerate(zip(offsets[:-1], offsets[1:])):
-        for lo in range(start, end, CHUNK_GROUPS):
-            hi = min(lo + CHUNK_GROUPS, end)
-            result[lo:hi], out_scale[lo:hi], fig = _chunk(packed[lo:hi], scales[lo:hi])
-            row = stats[ti]
-            row[0] += fig[0]
-            row[1] += fig[1]
-            row[2] = max(float(row[2]), fig[2])
-            row[3] += fig[3]
-            row[4] += fig[4]
-    if out is None:
-        return Result(result, out_scale.view(torch.bfloat16), stats)
-    out[0].copy_(result)
-    out[1].view(torch.int16).copy_(out_scale)
-    return Result(out[0], out[1], stats)
+    return by_chunks(_chunk, packed, scales, offsets, out)
