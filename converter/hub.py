@@ -10,6 +10,7 @@ re-running the same command resumes an interrupted upload.
 """
 from __future__ import annotations
 
+import glob
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,10 +20,11 @@ from . import __version__
 from .errors import BadInput, ConvertError, OutputError, VerifyFailed
 from .formats import checkpoint as ckpt
 from .manifest import MANIFEST, STATE_DIR, atomic_write, read_json
-from .plan import README_SOURCE
+from .plan import README_SOURCE, TEMPORARY
+from .safepath import open_regular
 from .verify import REPORT, verify
 
-IGNORE = [f"{STATE_DIR}/**", "*.partial", "*.tmp[0-9]*"]  # state, unfinished shards, torn atomic writes
+IGNORE = [f"{STATE_DIR}/**", "*.partial"]  # state, unfinished shards; temporaries: see ignore_patterns
 README = "README.md"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -43,6 +45,17 @@ class UploadResult:
         return sum(n for _, n in self.files)
 
 
+def ignore_patterns(dst: str) -> list[str]:
+    """What the upload leaves out: IGNORE, and by exact name each file that ``plan.TEMPORARY``
+    (the one definition of our temporaries, ``.tmp`` alone included) calls ours: a glob cannot
+    say "``.tmp`` and only digits"."""
+    return _ignore(_files(dst))
+
+
+def _ignore(rel: list[str]) -> list[str]:
+    return IGNORE + [glob.escape(p) for p in rel if TEMPORARY.search(p)]
+
+
 def upload_files(dst: str) -> list[tuple[str, int]]:
     """Files of DST the upload sends, with sizes, after the same filters huggingface_hub applies."""
     from huggingface_hub.utils import filter_repo_objects
@@ -52,6 +65,13 @@ def upload_files(dst: str) -> list[tuple[str, int]]:
     except ImportError:  # moved in some version: .git and the upload cache are all it holds
         DEFAULT_IGNORE_PATTERNS = [".git", ".git/*", "*/.git", "**/.git/**", ".cache/huggingface",
                                    ".cache/huggingface/*"]
+    rel = _files(dst)
+    keep = filter_repo_objects(rel, ignore_patterns=_ignore(rel) + list(DEFAULT_IGNORE_PATTERNS))
+    return [(p, os.path.getsize(os.path.join(dst, p))) for p in keep]
+
+
+def _files(dst: str) -> list[str]:
+    """Every file under DST, relative, sorted; a symlink anywhere is refused (VerifyFailed)."""
     rel = []
     for d, dirs, files in os.walk(dst):
         for f in dirs + files:  # os.walk lists a linked folder among dirs (and does not enter it)
@@ -60,8 +80,7 @@ def upload_files(dst: str) -> list[tuple[str, int]]:
                 raise VerifyFailed(f"{os.path.relpath(path, dst)} is a symlink (to {os.readlink(path)}): "
                                    "refusing to upload what may lie outside DST", file=dst)
         rel += [os.path.relpath(os.path.join(d, f), dst).replace(os.sep, "/") for f in files]
-    keep = filter_repo_objects(sorted(rel), ignore_patterns=IGNORE + list(DEFAULT_IGNORE_PATTERNS))
-    return [(p, os.path.getsize(os.path.join(dst, p))) for p in keep]
+    return sorted(rel)
 
 
 # --------------------------------------------------------------------------- model card
@@ -205,14 +224,19 @@ The experts use the activation the source's config names, unchanged by the conve
             f" with its `{name}` expert activation")
 
 
-def _source_card(dst: str, manifest: dict) -> bool:
-    """Whether DST's README.md is the source's card (earlier k3convert versions copied it there)."""
-    src = (manifest.get("source") or {}).get("path") or ""
+def _read_regular(path: str) -> bytes | None:
+    """A regular file's bytes; None if it is missing, unreadable or anything else (a FIFO is
+    never waited on: the path may come from DST's manifest, which is untrusted)."""
     try:
-        with open(os.path.join(dst, README), "rb") as mine, open(os.path.join(src, README), "rb") as theirs:
-            return mine.read() == theirs.read()
-    except OSError:
-        return False
+        with os.fdopen(open_regular(path), "rb") as f:
+            return f.read()
+    except (ConvertError, OSError):
+        return None
+
+
+def _source_card(dst: str, theirs: bytes | None) -> bool:
+    """Whether DST's README.md is the source's card ``theirs`` (earlier k3convert versions copied it there)."""
+    return theirs is not None and _read_regular(os.path.join(dst, README)) == theirs
 
 
 # --------------------------------------------------------------------------- upload
@@ -248,13 +272,15 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
     verify(dst, checksums=verify_checksums).raise_if_failed()
 
     readme_path = os.path.join(dst, README)
-    if not dry_run and _source_card(dst, manifest) and not os.path.exists(os.path.join(dst, README_SOURCE)):
+    src = (manifest.get("source") or {}).get("path")
+    theirs = _read_regular(os.path.join(src, README)) if isinstance(src, str) and src else None  # read once
+    if not dry_run and _source_card(dst, theirs) and not os.path.exists(os.path.join(dst, README_SOURCE)):
         try:  # the source's card is not ours to publish
             os.replace(readme_path, os.path.join(dst, README_SOURCE))
         except OSError as e:
             raise OutputError(f"cannot rename README.md to {README_SOURCE}: {e.strerror}", file=dst) from None
     files = upload_files(dst)
-    if os.path.exists(readme_path) and not _source_card(dst, manifest):
+    if os.path.exists(readme_path) and not _source_card(dst, theirs):
         readme = "kept"
     elif dry_run:
         readme = "would write"
@@ -278,14 +304,14 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
         if hasattr(api, "upload_large_folder"):  # huggingface_hub < 2: its resumable large-folder API
             result.method = "upload_large_folder"
             api.upload_large_folder(repo_id=repo_id, folder_path=dst, repo_type="model", revision=revision,
-                                    private=private, ignore_patterns=list(IGNORE))
+                                    private=private, ignore_patterns=ignore_patterns(dst))
         else:  # huggingface_hub >= 2: upload_folder is the resumable multi-commit path (with hf_xet)
             result.method = "upload_folder"
             if not _xet_available():
                 result.notes.append("hf_xet is not installed (or HF_HUB_DISABLE_XET is set): upload_folder made a "
                                     "single commit, which does not resume; `pip install hf_xet` for large uploads")
             api.upload_folder(repo_id=repo_id, folder_path=dst, repo_type="model", revision=revision,
-                              ignore_patterns=list(IGNORE),
+                              ignore_patterns=ignore_patterns(dst),
                               commit_message=f"int4 group-32 experts converted by k3convert {__version__}")
     except Exception as e:  # the Hub or the network: one line and how to resume; anything else is a bug
         network = type(e).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3")

@@ -16,6 +16,7 @@ from .formats.safetensors_io import read_header
 from .manifest import MANIFEST, REPORT, read_json
 from .plan import PACKED
 from .safepath import regular_problem
+from .quant.rules import recorded_rule
 from .validate import ratio_line
 
 MXFP4_SOURCE = "mxfp4-source"
@@ -147,7 +148,7 @@ def inspect_path(path: str) -> dict[str, Any]:
             "dropped": [d.get("where") for d in quant.get("dropped") or []] + list(source.get("dropped_tensors") or []),
             "activation": manifest.get("activation"),
             "worst": (report or {}).get("worst"), "rel_rmse_mean": (report or {}).get("rel_rmse_mean"),
-            "scale_rule": manifest.get("scale_rule") or (manifest.get("options") or {}).get("scale_rule") or "optimal",
+            "scale_rule": recorded_rule(manifest),
             "compare_rule": (report or {}).get("compare_rule"), "cmp_rel_rmse_mean": (report or {}).get("cmp_rel_rmse_mean"),
             "cmp_ratio": (report or {}).get("cmp_ratio"),
         }

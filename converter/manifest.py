@@ -10,7 +10,8 @@ import fcntl
 import hashlib
 import json
 import os
-from typing import Any, BinaryIO, Callable
+import stat
+from typing import Any, BinaryIO, Callable, Collection
 
 import zstandard
 
@@ -48,7 +49,8 @@ def stage(path: str, data: bytes) -> str:
 
 def stage_copy(src_path: str, path: str) -> str:
     """Copy a (regular) source file to a fresh temporary beside ``path``, fsynced; as ``stage``.
-    A read error names the source file, a write error ``path``."""
+    A read error names the source file, a write error ``path``. The copy gets the source's
+    mtime, so that a rerun can tell it is already there (``copy_current``)."""
     def fill(w) -> None:
         with os.fdopen(open_regular(src_path), "rb") as r:  # BadInput for a FIFO or device
             while True:
@@ -59,7 +61,24 @@ def stage_copy(src_path: str, path: str) -> str:
                 if not buf:
                     break
                 w.write(buf)
+            w.flush()  # before the mtime is set: a later write would change it
+            st = os.fstat(r.fileno())
+            os.utime(w.fileno(), ns=(st.st_atime_ns, st.st_mtime_ns))
     return _staged(path, fill)
+
+
+def copy_current(src_path: str, path: str) -> bool:
+    """Whether ``path`` already is ``stage_copy``'s copy of ``src_path``: a regular file of the
+    same size and mtime. A source that cannot be looked at is an OutputError naming it."""
+    try:
+        st = os.stat(src_path)
+    except OSError as e:
+        raise OutputError(f"cannot read: {e.strerror}", file=src_path) from None
+    try:
+        out = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(out.st_mode) and (out.st_size, out.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
 
 
 def _staged(path: str, fill: Callable[[BinaryIO], None]) -> str:
@@ -79,19 +98,28 @@ def _staged(path: str, fill: Callable[[BinaryIO], None]) -> str:
     return tmp
 
 
-def commit(staged: list[tuple[str, str]]) -> None:
-    """Rename staged temporaries to their names, in order. A failure removes every temporary
-    not yet renamed (and raises OutputError naming the file); the caller undoes the renamed."""
+def commit(staged: list[tuple[str, str]], undo: Collection[str] = ()) -> int:
+    """Rename staged temporaries to their names, in order; returns how many were renamed (all).
+
+    A failure removes every temporary not yet renamed, and of the files already renamed
+    exactly those named in ``undo`` (what must not outlive a failed manifest), then raises
+    (OutputError naming the file)."""
+    done = 0
     try:
-        for i, (tmp, path) in enumerate(staged):
+        for tmp, path in staged:
             try:
                 os.replace(tmp, path)
             except OSError as e:
                 raise OutputError(f"cannot write: {e.strerror}", file=path) from None
+            done += 1
     except BaseException:
-        for tmp, _ in staged[i:]:
+        for tmp, _ in staged[done:]:
             discard(tmp)
+        for _, path in staged[:done]:
+            if path in undo:
+                discard(path)
         raise
+    return done
 
 
 def atomic_write(path: str, data: bytes) -> None:
@@ -122,12 +150,16 @@ def read_json(path: str) -> dict | None:
 def file_fingerprint(path: str, edge: int = 1 << 20) -> dict[str, Any]:
     """Cheap identity of a source file: size, mtime, and a hash of its first and last MiB."""
     h = hashlib.blake2b(digest_size=16)
-    with os.fdopen(open_regular(path), "rb") as f:  # a FIFO is refused, not waited on
-        st = os.fstat(f.fileno())
-        h.update(f.read(edge))
-        if st.st_size > edge:
-            f.seek(max(edge, st.st_size - edge))
+    fd = open_regular(path)  # a FIFO is refused, not waited on
+    try:
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
             h.update(f.read(edge))
+            if st.st_size > edge:
+                f.seek(max(edge, st.st_size - edge))
+                h.update(f.read(edge))
+    except OSError as e:  # EIO: one line naming the file (exit 4), not a traceback
+        raise OutputError(f"cannot read: {e.strerror}", file=path) from None
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "edge_blake2b": h.hexdigest()}
 
 
@@ -200,7 +232,8 @@ class ShardLocks:
 
 IDENTITY_LOCK = "identity.lock"  # held (briefly, exclusively) to read, compare, write run.json and claim shards
 RUN_LOCK = "run.lock"            # held shared by every run using DST, for as long as it does
-LOCKS = (IDENTITY_LOCK, RUN_LOCK)
+MANIFEST_LOCK = "manifest.lock"  # held exclusively to rewrite the manifest (finalize, a redo's reopening)
+LOCKS = (IDENTITY_LOCK, RUN_LOCK, MANIFEST_LOCK)  # never deleted (--overwrite): others may wait on them
 
 
 class DstLock:

@@ -26,12 +26,12 @@ from .digest import ALGORITHM as DIGEST_ALGORITHM
 from .errors import BadInput, Interrupted, OutputError, ThresholdExceeded
 from .formats import checkpoint as ckpt
 from .formats.dialect import TARGET_FORMAT
-from .manifest import (LOCKS, MANIFEST, REPORT, RUN_LOCK, STATE_DIR, TENSOR_TABLE, DstLock, ShardLocks, commit, discard,
-                       file_fingerprint, json_bytes, read_json, read_rows, rows_bytes, stage, stage_copy, state_file,
-                       write_json, write_rows)
+from .manifest import (LOCKS, MANIFEST, MANIFEST_LOCK, REPORT, RUN_LOCK, STATE_DIR, TENSOR_TABLE, DstLock, ShardLocks,
+                       commit, copy_current, discard, file_fingerprint, json_bytes, read_json, read_rows, rows_bytes,
+                       stage, stage_copy, state_file, write_json, write_rows)
 from .plan import TEMPORARY, Plan, ShardPlan, build_plan, side_file_target
 from .safepath import contains, dest_file, lock_file
-from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, RULE_KEY, RULES as SCALE_RULES
+from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, RULES as SCALE_RULES, recorded_rule
 from .validate import TensorFigures, error_ratio, layer_summary, mean, ratio_line
 from .workers import Task, Workers, cpu_workers, raise_error
 
@@ -99,9 +99,10 @@ def resolve_devices(options: Options, shards: int | None = None) -> list[str]:
     return plan_workers(options, shards)[0]
 
 
-def plan_workers(options: Options, shards: int | None = None) -> tuple[list[str], str]:
-    """The worker processes (one device each) and a line saying how many and why; ``shards``
-    (to convert) caps ``--workers auto``."""
+def plan_workers(options: Options, shards: int | None = None) -> tuple[list[str], str, int | None]:
+    """The worker processes (one device each), a line saying how many and why, and each CPU
+    worker's threads as that line states them (None for GPU workers: a share of the cores);
+    ``shards`` (to convert) caps ``--workers auto``."""
     devices = options.devices
     for d in devices or []:
         if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
@@ -118,9 +119,9 @@ def plan_workers(options: Options, shards: int | None = None) -> tuple[list[str]
         devices = [f"cuda:{i}" for i in range(n)]
     if devices and devices != ["cpu"]:
         per = max(1, options.workers_per_gpu)
-        return [d for d in devices for _ in range(per)], f"{len(devices)} GPU(s) x {per} worker(s)"
+        return [d for d in devices for _ in range(per)], f"{len(devices)} GPU(s) x {per} worker(s)", None
     choice = cpu_workers(options.workers, shards)
-    return ["cpu"] * choice.workers, str(choice)
+    return ["cpu"] * choice.workers, str(choice), choice.threads
 
 
 def shard_count(src: str, options: Options) -> int | None:
@@ -228,22 +229,31 @@ def _clean_temporaries(dst: str) -> None:
 def _reopen(dst: str) -> None:
     """A shard is about to be (re)done: first DST must stop claiming to be complete, so that a
     kill during the redo cannot leave a "complete" manifest with a shard missing."""
-    path = os.path.join(dst, MANIFEST)
-    with lock_file(_state(dst, "manifest.lock")) as lock:
+    with lock_file(_state(dst, MANIFEST_LOCK)) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        manifest = read_json(path)
-        if isinstance(manifest, dict) and manifest.get("complete") is not False:
-            manifest.update(complete=False, status="partial")
-            manifest.pop("finished_at", None)
-            write_json(path, manifest)
-            for name in (ckpt.INDEX, "config.json", REPORT, TENSOR_TABLE):  # re-derived at the end; meanwhile
-                # no loader takes DST for a checkpoint, and no report describes shards not there
-                p = os.path.join(dst, name)
-                try:
-                    if os.path.lexists(p):
-                        os.unlink(p)
-                except OSError as e:
-                    raise OutputError(f"cannot remove: {e.strerror}", file=p) from None
+        _reset_complete(dst)
+
+
+DERIVED = (ckpt.INDEX, "config.json", REPORT, TENSOR_TABLE)  # written by finalize from the shard records
+
+
+def _reset_complete(dst: str) -> None:
+    """If the manifest says complete, make it say partial, then remove what finalize derives
+    (``DERIVED``): meanwhile no loader takes DST for a checkpoint, and no report describes
+    shards that may go. Called with manifest.lock held."""
+    path = os.path.join(dst, MANIFEST)
+    manifest = read_json(path)
+    if isinstance(manifest, dict) and manifest.get("complete") is not False:
+        manifest.update(complete=False, status="partial")
+        manifest.pop("finished_at", None)
+        write_json(path, manifest)
+        for name in DERIVED:
+            p = os.path.join(dst, name)
+            try:
+                if os.path.lexists(p):
+                    os.unlink(p)
+            except OSError as e:
+                raise OutputError(f"cannot remove: {e.strerror}", file=p) from None
 
 
 def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
@@ -258,8 +268,9 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
     if os.path.exists(dst) and (not os.path.isdir(dst) or not os.access(dst, os.W_OK | os.X_OK)):
         raise OutputError("is not a writable directory", file=dst)
     foreign = "exists, is not empty and holds no k3convert state: choose a new directory"
-    if os.path.isdir(dst) and not os.path.lexists(_state(dst)) and os.listdir(dst):
-        raise OutputError(foreign, file=dst)  # refused before anything of ours is put there
+    if os.path.isdir(dst) and not os.path.lexists(_state(dst)) and [f for f in os.listdir(dst) if f != STATE_DIR]:
+        raise OutputError(foreign, file=dst)  # refused before anything of ours is put there (a run started
+        # at the same moment may just have made the state folder: that one is not foreign)
     try:
         _refuse_linked_state(dst)
         os.makedirs(_state(dst), exist_ok=True)
@@ -311,11 +322,13 @@ def gb(n: int) -> str:
 def bytes_needed(plan: Plan, dst: str, todo: list[ShardPlan]) -> int:
     """What the rest of the run writes: its shards, and the side files not yet in DST."""
     side = 0
-    for rel in plan.other_files:
-        size = os.path.getsize(os.path.join(plan.src, rel))
-        out = os.path.join(dst, side_file_target(rel))
-        if not (os.path.isfile(out) and os.path.getsize(out) == size):
-            side += size
+    for rel in plan.other_files:  # the same test as finalize's, which copies only these
+        path = os.path.join(plan.src, rel)
+        if not copy_current(path, os.path.join(dst, side_file_target(rel))):  # OutputError naming it
+            try:
+                side += os.stat(path).st_size
+            except OSError as e:
+                raise OutputError(f"cannot read: {e.strerror}", file=path) from None
     return sum(s.bytes_out for s in todo) + side
 
 
@@ -345,8 +358,8 @@ def convert(src: str, dst: str | None = None, options: Options | None = None,
     t0 = time.perf_counter()
     options = options or Options()
     options.check()
-    devices, note = plan_workers(options, len(selected(plan, options)) if plan else shard_count(src, options))
-    with Workers(devices, options.inline, note) as workers:
+    devices, note, threads = plan_workers(options, len(selected(plan, options)) if plan else shard_count(src, options))
+    with Workers(devices, options.inline, note, threads) as workers:
         plan = plan or options.plan(src)
         dst = os.path.abspath(dst or default_dst(plan.src))
         dst_lock = prepare_dst(plan, dst, options)
@@ -364,8 +377,12 @@ def convert(src: str, dst: str | None = None, options: Options | None = None,
                 # leftovers of a killed run never look complete; drop them, but only of the shards
                 # locked above: a .partial of another shard may be another run's (--part) work in progress
                 for s in todo:
-                    if os.path.lexists(os.path.join(dst, s.name + ".partial")):
-                        os.unlink(os.path.join(dst, s.name + ".partial"))
+                    partial = os.path.join(dst, s.name + ".partial")
+                    try:
+                        if os.path.lexists(partial):
+                            os.unlink(partial)
+                    except OSError as e:
+                        raise OutputError(f"cannot remove: {e.strerror}", file=partial) from None
                 _convert_shards(plan, dst, options, todo, len(chosen), workers, on_event)
             except KeyboardInterrupt:
                 raise Interrupted("interrupted: finished shards are kept; run the same command to resume") from None
@@ -398,7 +415,7 @@ def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
     probe = dst
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    devices, workers = plan_workers(options, len(chosen))
+    devices, workers, _ = plan_workers(options, len(chosen))
     return {
         "source": plan.src, "dst": dst, "profile": f"{plan.profile.name} ({plan.profile_reason})",
         "scale_convention": plan.source.scale_note, "scale_rule": options.scale_rule, "devices": devices,
@@ -490,20 +507,27 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
     """Write the manifest from the shard records; when every shard is done, also the side
     files, config, index and report, and mark the manifest complete (last)."""
     t0 = time.perf_counter()
+    dst = os.path.abspath(dst)
     _refuse_linked_state(dst)
-    run = read_json(_state(dst, IDENTITY))
-    if run is None:
-        raise OutputError("holds no k3convert state (nothing to finalize)", file=dst)
-    if options is None:
-        recorded = run.get("options") or {}
-        options = Options(profile=recorded.get("profile"),
-                          drop_activation_quant=bool(recorded.get("drop_activation_quant")),
-                          scale_rule=recorded.get("scale_rule") or SCALE_RULE_DEFAULT)
-    plan = plan or options.plan(run["source"])
-    with lock_file(_state(dst, RUN_LOCK)) as using, lock_file(_state(dst, "manifest.lock")) as lock:
+    nothing = "holds no k3convert state (nothing to finalize)"
+    if not os.path.isdir(_state(dst)):
+        raise OutputError(nothing, file=dst)
+    # the locks first, one at a time, then what they protect: run.json read (and the plan built
+    # from it) before them could describe a source that an --overwrite run replaced meanwhile
+    with lock_file(_state(dst, RUN_LOCK)) as using:
         fcntl.flock(using, fcntl.LOCK_SH)  # DST is in use: --overwrite must not empty it meanwhile
-        fcntl.flock(lock, fcntl.LOCK_EX)   # several batch jobs may finish at once
-        return _finalize_locked(dst, plan, options, run, t0)
+        with lock_file(_state(dst, MANIFEST_LOCK)) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # several batch jobs may finish at once
+            run = read_json(_state(dst, IDENTITY))
+            if run is None:
+                raise OutputError(nothing, file=dst)
+            if options is None:
+                recorded = run.get("options") or {}
+                options = Options(profile=recorded.get("profile"),
+                                  drop_activation_quant=bool(recorded.get("drop_activation_quant")),
+                                  scale_rule=recorded_rule(recorded))
+            plan = plan or options.plan(run["source"])
+            return _finalize_locked(dst, plan, options, run, t0)
 
 
 def _makedirs(path: str) -> None:
@@ -517,18 +541,6 @@ def _source_record(plan: Plan, run: dict) -> dict[str, Any]:
     return {"path": plan.src, "profile": {**plan.profile.record(), "reason": plan.profile_reason},
             "quantization": plan.source.record(), "dropped_tensors": plan.dropped,
             "config": run["config"], "shards": run["shards"]}
-
-
-def with_scale_rule(config: dict[str, Any], rule: str) -> dict[str, Any]:
-    """Name the scale rule in every compressed-tensors ``quantization_config`` of ``config``
-    (top-level and nested), so ``inspect`` and ``verify`` know which rule wrote the codes."""
-    for key, value in config.items():
-        if isinstance(value, dict):
-            if key == "quantization_config" and value.get("quant_method") == "compressed-tensors":
-                value[RULE_KEY] = rule
-            else:
-                with_scale_rule(value, rule)
-    return config
 
 
 def _rule_record(rule: str, figs: list[TensorFigures]) -> dict[str, Any]:
@@ -566,15 +578,19 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
     # last: a failure (a full disk, no inodes) on the way leaves no config or index that looks
     # like a finished checkpoint, and no temporary
     staged: list[tuple[str, str]] = []
+    if all_done or failed:  # DERIVED is replaced: an old "complete" must not stand over a half-replaced set
+        _reset_complete(dst)  # (before staging: it writes the manifest through the same temporary name)
     try:
         if all_done and not failed:
             for rel in plan.other_files:
                 out = dest_file(dst, side_file_target(rel))
+                if copy_current(os.path.join(plan.src, rel), out):  # a rerun: bytes_needed did not count it
+                    continue
                 _makedirs(os.path.dirname(out))
                 staged.append((stage_copy(os.path.join(plan.src, rel), out), out))
             total = sum(t.nbytes for s in plan.shards for t in s.layout.tensors)
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(plan.weight_map().items()))}
-            config = with_scale_rule(plan.output_config(), options.scale_rule)
+            config = plan.output_config(options.scale_rule)
             for p, obj in ((os.path.join(dst, ckpt.INDEX), index), (os.path.join(dst, "config.json"), config)):
                 staged.append((stage(p, json_bytes(obj)), p))
         if all_done or failed:
@@ -599,12 +615,7 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
         for tmp, _ in staged:
             discard(tmp)
         raise
-    try:
-        commit(staged)
-    except BaseException:  # renamed before the manifest failed: what would look like a finished checkpoint goes
-        for _, p in staged:
-            if os.path.basename(p) in (ckpt.INDEX, "config.json", REPORT, TENSOR_TABLE) and os.path.dirname(p) == dst:
-                discard(p)
-        raise
+    # renamed before the manifest failed: what would look like a finished checkpoint goes
+    commit(staged, undo={os.path.join(dst, n) for n in DERIVED})
     summary.complete = manifest["complete"]
     return summary

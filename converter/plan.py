@@ -21,6 +21,7 @@ from .formats import checkpoint as ckpt
 from .formats.checkpoint import PACKED, SCALE, SHAPE
 from .formats.safetensors_io import Header, Layout, OutTensor, TensorInfo, read_header
 from .safepath import regular_problem, source_file, source_roots
+from .quant.rules import DEFAULT as DEFAULT_RULE
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _EXPERT = re.compile(r"experts\.(\d+)\.")
@@ -155,11 +156,12 @@ class Plan:
     def weight_map(self) -> dict[str, str]:
         return {t.name: s.name for s in self.shards for t in s.layout.tensors}
 
-    def output_config(self) -> dict[str, Any]:
+    def output_config(self, rule: str = DEFAULT_RULE) -> dict[str, Any]:
+        """The source config with its MXFP4 blocks replaced by int4 ones written with scale ``rule``."""
         converted = sorted(c.module for s in self.shards for c in s.converts)
         kept = sorted({it.info.name[: -len(".weight")] for s in self.shards for it in s.items
                        if isinstance(it, Copy) and it.info.name.endswith(".weight") and len(it.info.shape) == 2})
-        return self.source.int4_config(self.config, converted, kept)
+        return self.source.int4_config(self.config, converted, kept, rule)
 
 
 def shard_metadata(source: dict[str, str], activation: dict[str, Any], what: str) -> dict[str, str]:
@@ -312,11 +314,7 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
         raise BadInput("not a directory", file=src)
     roots = source_roots(src)
     config_path = source_file(src, "config.json", roots)
-    for name in ("config.json", ckpt.INDEX, ckpt.SINGLE):  # a FIFO would hang the read for ever
-        path = os.path.join(src, name)
-        if os.path.lexists(path) and (why := regular_problem(path)):
-            raise BadInput(why, file=path)
-    config = ckpt.load_json(config_path)
+    config = ckpt.load_json(config_path)  # a FIFO is refused, never waited on (json_input.load_file)
     prof, why = profiles.choose(config, ckpt.dialect(config, config_path), profile, config_path)
     source = ckpt.mxfp4_source(config, config_path, drop_activation_quant, prof.source)
     act = ckpt.activation(config, config_path, prof.required_activation)

@@ -107,16 +107,19 @@ def regular_problem(path: str) -> str | None:
     return None
 
 
-def open_regular(path: str) -> int:
+def open_regular(path: str, missing_ok: bool = False) -> int:
     """Open ``path`` for reading only if it is a regular file; returns the descriptor.
 
     A FIFO would block the open (and every read) for ever and a character device would
     stream without end, so the open does not wait (O_NONBLOCK), the kind is checked on the
     descriptor itself (no window between check and open), and anything else is refused
-    with BadInput naming what it is."""
+    with BadInput naming what it is. ``missing_ok``: a missing file raises FileNotFoundError
+    (for callers to whom absent is an answer)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
+        if missing_ok and isinstance(e, FileNotFoundError):
+            raise
         raise BadInput(f"cannot read: {e.strerror}", file=path) from None
     try:
         mode = os.fstat(fd).st_mode

@@ -60,7 +60,6 @@ _EXPERT = re.compile(r"^(?P<layer>.*\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_
 # the experts' module class each server matches class-name targets against ("Linear" is mapped onto it)
 MOE_CLASS = {"vllm": "RoutedExperts", "sglang": "FusedMoE"}
 KIMI_MIN_INTER_PER_RANK = 256    # vLLM's KimiMoE pads the per-rank intermediate up to this at TP > 1
-PLUGIN_ALIGN = 128               # per-rank sizes the plugin's kernel takes unpadded (docs/vllm_plugin.md)
 # activations vLLM's WNA16 kernels take: TritonWNA16Experts' allow-list, and apply_moe_activation's
 TRITON_ACTS = frozenset({"silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep",
                          "silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul"})
@@ -649,13 +648,9 @@ def _plugin(config: dict | None, act: dict, mem: Memory, tp: int, int4: str,
     if name is None:
         stock = _vllm_oracle(SERVER_INFO["vllm-rocm"], act["hidden_act"], mem, tp, int4, marlin=False)
         return Verdict(f"plugin stays out, stock vLLM: {stock.summary}", stock.problem)
-    from .vllm_plugin import layout as plugin_layout   # imports torch: only for this server
-
     for layer, (inter, hidden) in sorted(sizes.items()):
         per_rank = _vllm_kimi_per_rank(inter, tp)
-        why = (f"hidden size {hidden} or per-rank intermediate size {per_rank} is not a multiple of "
-               f"{PLUGIN_ALIGN}" if hidden % PLUGIN_ALIGN or per_rank % PLUGIN_ALIGN else None) or \
-            plugin_layout.check_dims(2 * per_rank, hidden) or plugin_layout.check_dims(hidden, per_rank)
+        why = plugin_route.size_problem(hidden, per_rank)
         if why:
             return Verdict(f"{srv.method}: refused at load",
                            f"{plugin_route.PREFIX} {layer}: {why} at --tp {tp}: the plugin refuses sizes its "

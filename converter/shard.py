@@ -247,7 +247,7 @@ class ShardConverter:
             cmp_stats = cmp.stats.cpu().tolist() if cmp is not None else None
             server_err2 = res.server_err2.tolist() if cmp is None else None
         pieces, figs = [], []
-        nan_col, oor_col = STAT_FIELDS.index("nan_scale"), STAT_FIELDS.index("out_of_range")
+        oor_col = STAT_FIELDS.index("out_of_range")  # NaN bytes never get here: _read refused them
 
         def out_error(c: Convert, lo: int, hi: int, words: torch.Tensor, wscales: torch.Tensor) -> float:
             if dev.type == "cpu":
@@ -259,10 +259,6 @@ class ShardConverter:
         for i, c in enumerate(batch.items):
             lo, hi = offsets[i], offsets[i + 1]
             st = stats[i]
-            if st[nan_col]:
-                shifted = f" (after the +{self.scale_shift} bias correction)" if self.scale_shift else ""
-                raise BadInput(f"{int(st[nan_col])} E8M0 scale byte(s) are 255 (NaN){shifted}",
-                               file=c.scale.path, tensor=c.scale.name)
             if st[oor_col]:
                 why = ("E8M0 exponent too close to 0 or 254" if self.rule == "optimal" else
                        "the server's rule dequantizes them to inf: E8M0 exponent 253 or 254")

@@ -22,12 +22,12 @@ from .errors import BadInput, ConvertError, VerifyFailed
 from .formats import checkpoint as ckpt
 from .formats.safetensors_io import Header, TensorInfo, read_header
 from .digest import ALGORITHM as DIGEST_ALGORITHM, file_digest
-from .formats.dialect import TARGET_FORMAT
+from .formats.dialect import EXPERT_TARGET, TARGET_FORMAT
 from .formats.json_input import ListOf, MapOf, Nullable, type_problems
 from .manifest import MANIFEST, REPORT, TENSOR_TABLE, read_json, read_rows
 from .safepath import plain_name
 from .plan import PACKED, SCALE, SHAPE
-from .quant.rules import RULE_KEY, RULES as SCALE_RULES
+from .quant.rules import RULE_KEY, RULES as SCALE_RULES, recorded_rule
 from .serving import serving_check
 from .validate import error_ratio, ratio_line
 
@@ -61,8 +61,28 @@ REPORT_TYPES = {"tensors": int}
 ROW_TYPES = {"name": str, "rel_rmse": float, "max_abs": float}
 
 
+def _conforms(value: Any, spec: Any) -> bool:
+    """True only where ``type_problems`` finds nothing: the fast pass (a weight map of 497k names is
+    one ``type(v) is str`` each, not one call), so the detailed walk runs only on a failure."""
+    if isinstance(spec, Nullable):
+        return value is None or _conforms(value, spec.spec)
+    if isinstance(spec, dict):
+        return type(value) is dict and all(k not in value or _conforms(value[k], s) for k, s in spec.items())
+    if isinstance(spec, (MapOf, ListOf)):
+        kind, items = (dict, lambda v: v.values()) if isinstance(spec, MapOf) else (list, iter)
+        if type(value) is not kind:
+            return False
+        s = spec.spec
+        if isinstance(s, type) and s is not float:  # bool is its own type: int excludes booleans here too
+            return all(type(v) is s for v in items(value))
+        return all(_conforms(v, s) for v in items(value))
+    return type(value) is spec or spec is float and type(value) is int
+
+
 def _typed(obj: Any, types: Any, path: str, where: str = "") -> None:
     """VerifyFailed (exit 5) naming every field of ``obj`` whose type is not what verify reads."""
+    if _conforms(obj, types):
+        return
     problems = type_problems(obj, types, where)
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
@@ -269,6 +289,17 @@ def _name_matcher():
         return is_match
 
 
+CHECKED_BY_LOADER = 256  # converted modules whose fast verdict compressed-tensors' is_match re-decides
+
+
+def _class_names(module) -> set[str]:
+    """The class names compressed-tensors' ``_match_class`` matches a module by (LinearBase counts as Linear)."""
+    import torch.nn as nn
+
+    names = {c.__name__ for c in type(module).__mro__ if isinstance(c, type) and issubclass(c, nn.Module)}
+    return names | ({"Linear"} if "LinearBase" in names else set())
+
+
 def selection_problems(blocks: list[tuple[tuple[str, ...], dict]], converted: list[str], plain: list[str],
                        shown: int = 5) -> list[str]:
     """Whether the config's targets and ignore lists select exactly the converted modules.
@@ -277,32 +308,72 @@ def selection_problems(blocks: list[tuple[tuple[str, ...], dict]], converted: li
     module (a Linear) must be selected by some group; a module left in bf16 (``X.weight``) must
     not be selected by name, or a loader would look for int4 tensors it lacks. Class targets
     ("Linear") are left to the ignore list for bf16 modules: names alone cannot tell a Linear.
+
+    At K3 scale (70k expert modules) one ``is_match`` call a module costs seconds, so a fast pass
+    decides each module with the same rules (exact names as a set, ``re:`` patterns compiled and
+    matched from the start, class names against the module's classes); ``is_match`` then decides
+    every module the fast pass failed, every bf16 and non-expert module, and a spread of
+    ``CHECKED_BY_LOADER`` experts. Should it disagree with the fast pass on any of them, it decides
+    every module: the loader's matcher has the last word.
     """
+    import re
+
     import torch.nn as nn
 
     is_match = _name_matcher()
     linear, unknown = nn.Linear(1, 1, device="meta"), nn.Module()
+    kinds = {id(linear): _class_names(linear), id(unknown): _class_names(unknown)}
+
+    def fast_rule(patterns: list[str]):
+        names = {p for p in patterns if not p.startswith("re:")}
+        rx = [p[3:] for p in patterns if p.startswith("re:")]
+        if rx and not any(re.search(r"\\\d|\(\?P=", p) for p in rx):  # one alternation: no backreference renumbered
+            try:
+                rx = [re.compile("|".join(f"(?:{p})" for p in rx))]
+            except re.error:  # e.g. a global flag that must come first: one pattern at a time
+                rx = [re.compile(p) for p in rx]
+        else:
+            rx = [re.compile(p) for p in rx]
+        by_class = {k: bool(names & cls) for k, cls in kinds.items()}
+        return lambda name, module: name in names or by_class[id(module)] or any(r.match(name) for r in rx)
 
     def split(patterns: list[str]) -> tuple[set[str], list[str]]:
         """Exact names (match_name is then equality: a set lookup, for lists of 100k names) and the rest."""
         exact = {p for p in patterns if not p.startswith("re:") and "." in p}
         return exact, [p for p in patterns if p not in exact]
 
-    rules = [(split(g.get("targets") or []), split(b.get("ignore") or [])) for _, b in blocks
-             for g in (b.get("config_groups") or {}).values()]
+    groups = [(g.get("targets") or [], b.get("ignore") or []) for _, b in blocks
+              for g in (b.get("config_groups") or {}).values()]
+    fast = [(fast_rule(t), fast_rule(i)) for t, i in groups]
+    loader = [(split(t), split(i)) for t, i in groups]
 
     def hits(name: str, module, rule: tuple[set[str], list[str]]) -> bool:
         return name in rule[0] or bool(rule[1]) and is_match(name, module, rule[1])
 
-    def selected(name: str, module) -> bool:
-        return any(hits(name, module, t) and not hits(name, module, i) for t, i in rules)
+    def by_loader(name: str, module) -> bool:
+        return any(hits(name, module, t) and not hits(name, module, i) for t, i in loader)
+
+    def by_fast(name: str, module) -> bool:
+        return any(t(name, module) and not i(name, module) for t, i in fast)
+
+    expert = re.compile(EXPERT_TARGET[3:]).match
+    experts = [m for m in converted if expert(m)]
+    checked = set(spread(experts, CHECKED_BY_LOADER)) | (set(converted) - set(experts))
+    verdict = {m: by_fast(m, linear) for m in converted}
+    plain_verdict = {m: by_fast(m, unknown) for m in plain}
+    checked |= {m for m, ok in verdict.items() if not ok}
+    agree = all(by_loader(m, linear) == verdict[m] for m in sorted(checked)) and \
+        all(by_loader(m, unknown) == ok for m, ok in plain_verdict.items())
+    if not agree:
+        verdict = {m: by_loader(m, linear) for m in converted}
+        plain_verdict = {m: by_loader(m, unknown) for m in plain}
 
     out = []
-    lost = [m for m in converted if not selected(m, linear)]
+    lost = [m for m in converted if not verdict[m]]
     if lost:
         out.append(f"the targets/ignore lists do not select {len(lost)} converted module(s) (a loader would read "
                    f"them as bf16): {', '.join(lost[:shown])}" + (" ..." if len(lost) > shown else ""))
-    extra = [m for m in plain if selected(m, unknown)]
+    extra = [m for m in plain if plain_verdict[m]]
     if extra:
         out.append(f"the targets select {len(extra)} module(s) that are not int4 (a loader would look for "
                    f"int4 tensors): {', '.join(extra[:shown])}" + (" ..." if len(extra) > shown else ""))
@@ -387,6 +458,22 @@ def _check_situ(d: _Dst) -> Check:
     return c
 
 
+def table_rows(table: list[dict], path: str) -> dict[str, dict]:
+    """The figure table's rows by tensor name; VerifyFailed naming the first line that lacks a field of
+    ROW_TYPES or holds one of another type. One inline type test a row; the detailed check on failure."""
+    rows: dict[str, dict] = {}
+    num = (int, float)
+    for i, r in enumerate(table):
+        if not (type(r) is dict and type(r.get("name")) is str and type(r.get("rel_rmse")) in num
+                and type(r.get("max_abs")) in num):
+            _typed(r, ROW_TYPES, path, f"line {i + 1}")
+            missing = [k for k in ROW_TYPES if k not in r]
+            if missing:
+                raise VerifyFailed(f"line {i + 1} has no {', '.join(missing)}", file=path)
+        rows[r["name"]] = r
+    return rows
+
+
 def _check_figures(d: _Dst) -> tuple[Check, dict[str, dict]]:
     c = Check("figures")
     path = os.path.join(d.path, TENSOR_TABLE)
@@ -399,12 +486,7 @@ def _check_figures(d: _Dst) -> tuple[Check, dict[str, dict]]:
     except Exception as e:  # zstd or JSON damage: a problem of DST, not a crash
         c.fail(f"{TENSOR_TABLE} is unreadable ({e})")
         return c, rows
-    for i, r in enumerate(table):
-        _typed(r, ROW_TYPES, path, f"line {i + 1}")
-        missing = [k for k in ROW_TYPES if k not in r]
-        if missing:
-            raise VerifyFailed(f"line {i + 1} has no {', '.join(missing)}", file=path)
-        rows[r["name"]] = r
+    rows = table_rows(table, path)
     want = {f"{m}.{PACKED}" for m in converted_modules(d)}
     for n in sorted(want - set(rows)):
         c.fail(f"{n}: converted but has no row in {TENSOR_TABLE}")
@@ -526,7 +608,7 @@ class _Tensors:
 
 def scale_rule(d: _Dst) -> str:
     """The scale rule DST was written with (manifest; config must agree), default ``optimal``."""
-    rule = d.manifest.get("scale_rule") or (d.manifest.get("options") or {}).get("scale_rule") or "optimal"
+    rule = recorded_rule(d.manifest)
     if rule not in SCALE_RULES:
         raise VerifyFailed(f"scale_rule {rule!r} is not one of {', '.join(SCALE_RULES)}",
                            file=os.path.join(d.path, MANIFEST))
@@ -540,10 +622,11 @@ def scale_rule(d: _Dst) -> str:
 
 def _same_as_rule(m: str, packed, scales, bias: int, words, int4_scales, check: Check) -> int:
     """Compare DST's bytes of module ``m`` with the server rule on the source bytes; groups compared."""
+    from .formats.mxfp4 import to_ocp
     from .quant import server_rule
 
     g = packed.numel() // 16
-    s = ((scales.reshape(-1).to(torch.int32) + 127 - bias) % 256).to(torch.uint8)
+    s = to_ocp(scales.reshape(-1), bias)
     want = server_rule.requantize(packed.reshape(g, 16), s)
     got_q = words.contiguous().view(torch.uint8).reshape(-1, 16)
     got_s = int4_scales.contiguous().view(torch.int16).reshape(-1)
@@ -575,7 +658,8 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
     for i, name in enumerate(names):
         m = name[: -len(PACKED) - 1]
         try:
-            w = mxfp4.decode(s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{SCALE}"), bias, torch.float64)
+            src_packed, src_scales = s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{SCALE}")
+            w = mxfp4.decode(src_packed, src_scales, bias, torch.float64)
         except KeyError as e:
             c.fail(f"{m}: the source has no {e.args[0]}")
             continue
@@ -584,7 +668,8 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
             if shape != list(w.shape):
                 c.fail(f"{m}: {SHAPE} {shape}, the source is {list(w.shape)}")
                 continue
-            wq = read_int4(d_t.get(f"{m}.{PACKED}"), d_t.get(f"{m}.{SCALE}"), shape)
+            words, int4_scales = d_t.get(f"{m}.{PACKED}"), d_t.get(f"{m}.{SCALE}")
+            wq = read_int4(words, int4_scales, shape)
         except Exception as e:  # missing or malformed output tensors: the structure checks say which
             c.fail(f"{m}: cannot be read back ({type(e).__name__}: {e})")
             continue
@@ -604,8 +689,7 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
         if abs(max_abs - rows[name]["max_abs"]) > REL_TOL * max(rows[name]["max_abs"], 1e-30):
             c.fail(f"{name}: re-decoded max abs error {max_abs:.9g}, table says {rows[name]['max_abs']:.9g}")
         if rule != "optimal":
-            opt_groups += _same_as_rule(m, s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{SCALE}"), bias,
-                                        d_t.get(f"{m}.{PACKED}"), d_t.get(f"{m}.{SCALE}"), opt)
+            opt_groups += _same_as_rule(m, src_packed, src_scales, bias, words, int4_scales, opt)
         elif i < OPT_TENSORS:
             g_err = (diff * diff).reshape(-1, 32).sum(1)
             picks = torch.unique(torch.cat((g_err.topk(min(OPT_GROUPS // 2, g_err.numel())).indices,

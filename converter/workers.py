@@ -79,30 +79,44 @@ def _machine(cores: int, memory: int | None) -> str:
 
 
 def choose_cpu_workers(cores: int, memory: int | None, shards: int | None = None) -> CpuWorkers:
-    """``--workers auto``: one worker per THREADS_PER_WORKER cores, no more than fit in
-    MEMORY_SHARE of the available memory, and no more than there are shards (a worker converts
-    one shard at a time); the cores are then shared among the workers chosen."""
+    """``--workers auto``: one worker per THREADS_PER_WORKER cores, no more than there are shards
+    (a worker converts one shard at a time), and no more than fit in MEMORY_SHARE of the available
+    memory; the cores are then shared among the workers chosen. The memory is sized with the
+    threads each worker is given (``cores // n``: more threads, more hashing buffers)."""
     cores = max(1, cores)
-    limits = {"cores": max(1, cores // THREADS_PER_WORKER)}
+    n, bound = max(1, cores // THREADS_PER_WORKER), "cores"
+    if shards and shards < n:
+        n, bound = shards, "shards"
     if memory is not None:
-        limits["memory"] = max(1, int(memory * MEMORY_SHARE) // worker_bytes(THREADS_PER_WORKER))
-    if shards:
-        limits["shards"] = shards
-    bound = min(limits, key=limits.__getitem__)  # ties: cores, then memory, then shards
-    n = limits[bound]
+        budget = int(memory * MEMORY_SHARE)
+        fit = n
+        while fit > 1 and fit * worker_bytes(max(1, cores // fit)) > budget:
+            fit -= 1
+        if fit < n:
+            n, bound = fit, "memory"
     why = {"cores": f"one per {THREADS_PER_WORKER} cores",
-           "memory": f"{worker_bytes(THREADS_PER_WORKER) / 2**30:.2f} GiB each in half the available memory",
+           "memory": f"{worker_bytes(max(1, cores // n)) / 2**30:.2f} GiB each in half the available memory",
            "shards": f"one per shard, {shards} to convert"}[bound]
     return CpuWorkers(n, max(1, cores // n), f"auto: {why}; {_machine(cores, memory)}")
+
+
+def _numba_cap(choice: CpuWorkers) -> CpuWorkers:
+    """A NUMBA_NUM_THREADS set lower than a worker's share caps its compute threads (numba refuses
+    more): said here, where the choice is shown, not found out in the worker."""
+    raw = os.environ.get("NUMBA_NUM_THREADS", "")
+    cap = int(raw) if raw.strip().isdigit() and int(raw) > 0 else None
+    if cap is None or cap >= choice.threads:
+        return choice
+    return CpuWorkers(choice.workers, cap, f"{choice.reason}; NUMBA_NUM_THREADS={cap}")
 
 
 def cpu_workers(requested: int | None, shards: int | None = None) -> CpuWorkers:
     """The CPU workers for this machine: ``requested`` (``--workers N``), or chosen (None)."""
     cores, memory = cpus(), memory_available()
     if requested is None:
-        return choose_cpu_workers(cores, memory, shards)
+        return _numba_cap(choose_cpu_workers(cores, memory, shards))
     n = max(1, requested)
-    return CpuWorkers(n, max(1, cores // n), f"--workers {n}; {_machine(cores, memory)}")
+    return _numba_cap(CpuWorkers(n, max(1, cores // n), f"--workers {n}; {_machine(cores, memory)}"))
 
 
 def _warm_up(device: str) -> None:
@@ -216,7 +230,7 @@ def _serve(device: str, share: int, parent: int, tasks, events) -> None:
         digest.set_threads(share)
         if device.startswith("cpu"):
             import numba
-            share = min(share, numba.config.NUMBA_NUM_THREADS)  # a NUMBA_NUM_THREADS set lower caps it
+            share = min(share, numba.config.NUMBA_NUM_THREADS)  # cpu_workers said so already; numba refuses more
             torch.set_num_threads(share)
             numba.set_num_threads(share)
         _warm_up(device)
@@ -240,7 +254,9 @@ def _serve(device: str, share: int, parent: int, tasks, events) -> None:
 class Workers:
     """The run's workers, started at once; ``run`` feeds them shards and handles their events."""
 
-    def __init__(self, devices: list[str], inline: bool | None = None, note: str = ""):
+    def __init__(self, devices: list[str], inline: bool | None = None, note: str = "", threads: int | None = None):
+        """``threads``: each worker's compute (CPU) and hashing threads, as ``note`` states them
+        (``CpuWorkers.threads``); None: an equal share of the cores (GPU workers)."""
         self.devices, self.note = devices, note  # note: how many workers, and why (progress, --dry-run)
         self.inline = len(devices) == 1 and ("torch" in sys.modules if inline is None else inline)
         self.procs: list = []
@@ -248,7 +264,7 @@ class Workers:
             return
         ctx = mp.get_context("spawn")
         self.tasks, self.events = ctx.Queue(), ctx.Queue()
-        share = max(1, cpus() // len(devices))  # each worker's cores: compute threads (CPU), hashing
+        share = threads or max(1, cpus() // len(devices))  # each worker's cores: compute threads (CPU), hashing
         self.procs = [ctx.Process(target=_serve, daemon=True, args=(d, share, os.getpid(), self.tasks, self.events))
                       for d in devices]
         for p in self.procs:

@@ -731,3 +731,216 @@ def test_d27_upload_refuses_folder_symlinks(converted, tmp_path):
     with pytest.raises(VerifyFailed) as e:
         upload(dst, "someone/k3-int4", dry_run=True)
     assert "extra is a symlink" in str(e.value)
+
+
+# ------------------------------------------------------------------------------ review of this round's fixes
+
+def test_finalize_reads_the_identity_under_its_locks(converted, other_src, tmp_path, monkeypatch):
+    """A standalone ``finalize`` waiting for its locks while an --overwrite run replaces DST's
+    source: once it gets them it describes the source DST now holds, never the one it read
+    before (no manifest naming one source over the other's shards). manifest.lock survives
+    the wipe, so the waiting finalize and the overwrite run lock the same file."""
+    import fcntl
+
+    dst = str(tmp_path / "dst")
+    shutil.copytree(converted.dst, dst)
+    lock = os.path.join(dst, STATE, "manifest.lock")
+    real, fired = fcntl.flock, {}
+
+    def flock(f, how):  # the finalize's first lock: the --overwrite run gets in just before it
+        if not fired and how == fcntl.LOCK_SH and os.readlink(f"/proc/self/fd/{f.fileno()}").endswith("run.lock"):
+            fired["inode"] = os.stat(lock).st_ino if os.path.exists(lock) else None
+            assert convert(other_src[0], dst, Options(overwrite=True)).complete
+        return real(f, how)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    summary = pipeline.finalize(dst)
+    monkeypatch.undo()
+    assert fired and summary.complete
+    m = read_json(os.path.join(dst, MANIFEST))
+    assert m["source"]["path"] == other_src[0], m["source"]["path"]
+    assert read_json(os.path.join(dst, STATE, "run.json"))["source"] == other_src[0]
+    same_output(dst, other_src[1])
+    assert fired["inode"] is None or os.stat(lock).st_ino == fired["inode"]  # never deleted
+
+
+JSON_FIFOS = [  # (command, where the FIFO is, the file): each JSON file these commands read
+    ("verify", "dst", MANIFEST), ("verify", "dst", INDEX), ("verify", "dst", "config.json"),
+    ("inspect", "dst", MANIFEST), ("inspect", "dst", INDEX), ("inspect", "dst", "config.json"),
+    ("verify --source", "src", INDEX),
+]
+
+
+@pytest.mark.parametrize("cmd,where,name", JSON_FIFOS, ids=[f"{c}-{w}-{n}" for c, w, n in JSON_FIFOS])
+def test_json_reader_refuses_a_fifo(converted, src_copy, tmp_path, cmd, where, name):
+    """A FIFO in the place of a JSON file that verify or inspect reads: a non-zero exit at once,
+    naming the file or saying it is a FIFO (the JSON reader never opens one for blocking reads)."""
+    dst = str(tmp_path / "dst")
+    shutil.copytree(converted.dst, dst)
+    path = os.path.join(dst if where == "dst" else src_copy, name)
+    os.unlink(path)
+    os.mkfifo(path)
+    args = {"verify": ["verify", dst], "inspect": ["inspect", dst],
+            "verify --source": ["verify", dst, "--source", src_copy]}[cmd]
+    r = in_thread(lambda: run_cli(*args), 10, release_fifo(path))
+    assert r.exception is None or isinstance(r.exception, SystemExit), (r.exception, r.output)
+    if (cmd, name) == ("inspect", MANIFEST):  # inspect describes an unreadable manifest as such
+        assert r.exit_code == 0 and "k3convert int4 output" in r.output, r.output
+    else:
+        assert r.exit_code != 0, r.output
+        assert "FIFO" in r.output or name in r.output, r.output  # verify words it its own way (verify._read_obj)
+
+
+def test_json_reader_missing_file_is_still_absent(tmp_path):
+    from converter.formats import json_input
+
+    with pytest.raises(FileNotFoundError):
+        json_input.load_file(str(tmp_path / "none.json"))
+    assert manifest_mod.read_json(str(tmp_path / "none.json")) is None
+
+
+@pytest.mark.parametrize("changed", [0, 1])
+def test_rerun_copies_only_the_side_files_the_preflight_counted(src_copy, tmp_path, monkeypatch, changed):
+    """Rerunning a complete DST copies exactly the side files ``bytes_needed`` counts (none, or
+    the one changed in SRC since), so a preflight that passes on a nearly full disk holds."""
+    dst = str(tmp_path / "dst")
+    assert convert(src_copy, dst, Options()).complete
+    plan = pipeline.build_plan(src_copy)
+    assert plan.other_files and pipeline.bytes_needed(plan, dst, []) == 0
+    edited = os.path.join(src_copy, "tokenizer_config.json")
+    if changed:
+        with open(edited, "a") as f:
+            f.write("\n")
+        plan = pipeline.build_plan(src_copy)
+    copied, real = [], pipeline.stage_copy
+    monkeypatch.setattr(pipeline, "stage_copy", lambda a, b: copied.append(a) or real(a, b))
+    need = pipeline.bytes_needed(plan, dst, [])
+    assert convert(src_copy, dst, Options()).complete
+    assert copied == [edited] * changed
+    assert need == sum(os.path.getsize(p) for p in copied)
+    with open(edited, "rb") as a, open(os.path.join(dst, "tokenizer_config.json"), "rb") as b:
+        assert a.read() == b.read()
+
+
+FAILED_COMMITS = [  # (DST as typed, the rename that fails): a standalone finalize of a complete DST
+    ("slash", MANIFEST),     # `k3convert finalize out/`: the renamed index and config must still go
+    ("plain", INDEX),        # before anything derived is renamed: the old complete manifest must not stay
+    ("plain", "config.json"),
+]
+
+
+@pytest.mark.parametrize("typed,name", FAILED_COMMITS, ids=[f"{t}-{n}" for t, n in FAILED_COMMITS])
+def test_failed_finalize_commit_leaves_nothing_complete(converted, tmp_path, monkeypatch, typed, name):
+    """A rename failing while finalize replaces a complete DST's files: exit 4, and DST neither
+    says complete nor holds an index or config (whatever the spelling of DST); the next
+    finalize completes it again, byte for byte."""
+    dst = str(tmp_path / "dst")
+    shutil.copytree(converted.dst, dst)
+    if name == MANIFEST:  # the rename of the new, complete manifest (not of a reset one) fails
+        seen, real = {"n": 0}, os.replace
+
+        def replace(a, b, **kw):
+            if os.path.basename(b) == MANIFEST and read_json(a).get("complete") is True:
+                seen["n"] += 1
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(a, b, **kw)
+        monkeypatch.setattr(os, "replace", replace)
+    else:
+        seen = _fail_on(monkeypatch, name, "replace", errno.ENOSPC)
+    r = run_cli("finalize", dst + "/" if typed == "slash" else dst)
+    monkeypatch.undo()
+    assert seen["n"], (f"{name} was never renamed", r.output)
+    assert_clean_error(r, name, os.strerror(errno.ENOSPC), code=4)
+    assert_not_complete(dst)
+    assert not temporaries(dst), temporaries(dst)
+    assert run_cli("finalize", dst).exit_code == 0
+    same_output(dst, converted.dst)
+
+
+def _eio(*a, **kw):
+    raise OSError(errno.EIO, os.strerror(errno.EIO), a[0] if a else None)
+
+
+def _partial_unlink(monkeypatch, src, dst, plan):
+    """A killed run's .partial that cannot be removed (no clean-up: as when another run uses DST)."""
+    partial = os.path.join(dst, plan.shards[0].name + ".partial")
+    convert(src, dst, Options(shard_spec="2"), plan=plan)  # DST holds our state
+    monkeypatch.setattr(pipeline, "_clean_temporaries", lambda d: None)
+    real = os.unlink
+    monkeypatch.setattr(os, "unlink", lambda p, *a, **kw: _eio(p) if os.fspath(p) == partial else real(p, *a, **kw))
+    return partial, lambda: open(partial, "wb").close()
+
+
+def _record_fingerprint(monkeypatch, src, dst, plan):
+    """EIO reading back a finished shard for its record: a directory's descriptor fails every read."""
+    shard = os.path.join(dst, plan.shards[0].name)
+    real = manifest_mod.open_regular
+    monkeypatch.setattr(manifest_mod, "open_regular",
+                        lambda p, *a: os.open(src, os.O_RDONLY) if p == shard else real(p, *a))
+    return shard, lambda: None
+
+
+def _side_file_stat(monkeypatch, src, dst, plan):
+    """EIO looking at a side file in the free-space preflight (the plan was read before)."""
+    side = os.path.join(src, "tokenizer_config.json")
+    real = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **kw: _eio(p) if os.fspath(p) == side else real(p, *a, **kw))
+    return side, lambda: None
+
+
+@pytest.mark.parametrize("setup", [_partial_unlink, _record_fingerprint, _side_file_stat],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_coordinator_os_errors_exit_4_naming_the_file(src_copy, tmp_path, monkeypatch, setup):
+    """An OSError in the coordinator's own file handling (removing a .partial, fingerprinting a
+    finished shard, sizing a side file): OutputError (exit 4) naming that file, not a traceback."""
+    from converter.errors import ConvertError
+
+    dst = str(tmp_path / "dst")
+    plan = pipeline.build_plan(src_copy)
+    path, before = setup(monkeypatch, src_copy, dst, plan)
+    before()
+    with pytest.raises(ConvertError) as e:
+        convert(src_copy, dst, Options(), plan=plan)
+    monkeypatch.undo()
+    assert e.value.exit_code == 4 and path in str(e.value) and "\n" not in str(e.value), repr(e.value)
+    assert_not_complete(dst)
+
+
+def test_upload_leaves_out_every_temporary_plan_calls_ours(converted, tmp_path):
+    """A bare ``.tmp`` (older versions' temporaries) is left out like ``.tmpPID``: the listing
+    and the patterns handed to huggingface_hub both follow plan.TEMPORARY."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from converter.hub import upload, upload_files
+    from converter.plan import TEMPORARY as OURS
+
+    dst = str(tmp_path / "dst")
+    shutil.copytree(converted.dst, dst)
+    os.makedirs(os.path.join(dst, "sub"))
+    left = ["config.json.tmp", "config.json.tmp77", "sub/x.json.tmp", "a[1].tmp", "s.safetensors.partial"]
+    for rel in left + ["sub/keep.tmp.json"]:
+        open(os.path.join(dst, rel), "wb").close()
+    assert all(OURS.search(p) for p in left)
+    sent = [p for p, _ in upload_files(dst)]
+    assert "sub/keep.tmp.json" in sent and not set(left) & set(sent), sent
+    api = _Api()
+    upload(dst, "someone/k3-int4", api=api)
+    everything = sorted(os.path.relpath(os.path.join(d, f), dst) for d, _, fs in os.walk(dst) for f in fs)
+    kept = list(filter_repo_objects(everything, ignore_patterns=api.calls[0]["ignore_patterns"]))
+    assert "sub/keep.tmp.json" in kept and not set(left) & set(kept), kept
+
+
+def test_upload_never_waits_on_a_fifo_for_the_source_card(converted, tmp_path):
+    """The manifest's source path is untrusted: a FIFO as its README.md is not opened for reading."""
+    from converter.hub import upload
+
+    dst, src = str(tmp_path / "dst"), str(tmp_path / "src")
+    shutil.copytree(converted.dst, dst)
+    os.makedirs(src)
+    os.mkfifo(os.path.join(src, "README.md"))
+    m = read_json(os.path.join(dst, MANIFEST))
+    m["source"]["path"] = src
+    write_json(os.path.join(dst, MANIFEST), m)
+    with open(os.path.join(dst, "README.md"), "w") as f:
+        f.write("# mine\n")
+    res = in_thread(lambda: upload(dst, "someone/k3-int4", api=_Api()), 10, release_fifo(os.path.join(src, "README.md")))
+    assert res.readme == "kept"

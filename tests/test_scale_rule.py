@@ -352,3 +352,25 @@ def test_comparison_pass_gives_the_fused_figures(both, tmp_path, rule):
         assert (a.cmp_out_rel is None) == (b.cmp_out_rel is None) and (a.cmp_out_rel is None or math.isclose(
             a.cmp_out_rel, b.cmp_out_rel, rel_tol=1e-9)), n
     assert any(f.cmp_out_rel is not None for f in figs["pass"].values())
+
+
+def test_the_rule_is_recorded_once_and_read_back_by_one_helper():
+    """The int4 block names its scale rule as the dialect writes it; manifest, run options and old
+    outputs (no rule recorded) are read by one helper (quant.rules.recorded_rule)."""
+    from converter.fixture import FixtureSpec, config
+    from converter.formats.checkpoint import quant_blocks
+    from converter.formats.compressed_tensors import compressed_tensors_source
+    from converter.formats.dialect import int4_block
+    from converter.quant.rules import DEFAULT, RULE_KEY, recorded_rule
+
+    assert int4_block([], [])[RULE_KEY] == DEFAULT
+    assert int4_block(["a.b"], [], {"kv_cache_scheme": {"x": 1}}, "vllm-gfx942")[RULE_KEY] == "vllm-gfx942"
+    src = config(FixtureSpec())
+    src["side"] = {"quantization_config": {"quant_method": "other"}}  # not a block the dialect replaces
+    out = compressed_tensors_source(src, "config.json").int4_config(src, ["m.experts.0.w1"], [], "vllm-gfx942")
+    rules = {".".join(p): b.get(RULE_KEY) for p, b in quant_blocks(out)}
+    assert rules == {"text_config.quantization_config": "vllm-gfx942", "side.quantization_config": None}
+    assert RULE_KEY not in src["text_config"]["quantization_config"]  # the source config is not changed
+    assert recorded_rule({"scale_rule": "vllm-gfx942", "options": {"scale_rule": "optimal"}}) == "vllm-gfx942"
+    assert recorded_rule({"options": {"scale_rule": "vllm-gfx942"}}) == "vllm-gfx942"
+    assert recorded_rule({}) == recorded_rule({"scale_rule": None, "options": None}) == DEFAULT

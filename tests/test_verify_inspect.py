@@ -332,3 +332,100 @@ def test_inspect_other_format(converted, tmp_path):
     info = inspect_path(other)
     assert info["format"] == "other" and "quant_method='fp8'" in info["description"]
     assert CliRunner().invoke(main, ["inspect", str(tmp_path / "nope")]).exit_code == 2
+
+
+# ---------------------------------------------------------------- the fast passes (K3 scale)
+
+def test_fast_type_pass_agrees_with_the_detailed_one():
+    """verify's fast pass (``_conforms``) says fine exactly where ``type_problems`` finds nothing."""
+    from converter.formats.json_input import ListOf, MapOf, Nullable, type_problems
+    from converter.verify import INDEX_TYPES, MANIFEST_TYPES, ROW_TYPES, _conforms
+
+    cases = [
+        (INDEX_TYPES, {"metadata": {"total_size": 5}, "weight_map": {"a": "s1", "b": "s2"}}),
+        (INDEX_TYPES, {"metadata": {"total_size": True}, "weight_map": {}}),   # a boolean is no integer
+        (INDEX_TYPES, {"metadata": {"total_size": 5.0}, "weight_map": {}}),    # nor is a float
+        (INDEX_TYPES, {"weight_map": {"a": "s1", "b": 3}}),
+        (INDEX_TYPES, {"weight_map": ["s1"]}),
+        (INDEX_TYPES, [1]),
+        (ROW_TYPES, {"name": "x", "rel_rmse": 1, "max_abs": 0.5}),             # a number takes an integer
+        (ROW_TYPES, {"name": "x", "rel_rmse": False, "max_abs": 0.5}),
+        (ROW_TYPES, {"name": 1, "rel_rmse": 0.1}),
+        (MANIFEST_TYPES, {"shards": {"a": {"bytes": 1, "digest": "d"}}, "complete": True}),
+        (MANIFEST_TYPES, {"shards": {"a": {"bytes": "1", "digest": "d"}}}),
+        (MANIFEST_TYPES, {"source": {"quantization": {"blocks": ["a", 2]}}}),
+        (MANIFEST_TYPES, {"source": {"quantization": {"blocks": None}}}),
+        ({"x": Nullable(ListOf(MapOf(int)))}, {"x": None}),
+        ({"x": Nullable(ListOf(MapOf(int)))}, {"x": [{"a": 1}, {"b": True}]}),
+        ({"x": ListOf(float)}, {"x": [1, 2.5, True]}),
+    ]
+    for spec, value in cases:
+        assert _conforms(value, spec) == (type_problems(value, spec) == []), (spec, value)
+
+
+def test_table_rows_names_the_line():
+    from converter.verify import table_rows
+
+    good = [{"name": "a", "rel_rmse": 0.1, "max_abs": 1}, {"name": "b", "rel_rmse": 0, "max_abs": 0.0}]
+    assert list(table_rows(good, "t")) == ["a", "b"]
+    for bad, needle in (({"name": "c", "rel_rmse": "0.1", "max_abs": 1.0}, "field line 3.rel_rmse is a string"),
+                        ({"name": "c", "max_abs": 1.0}, "line 3 has no rel_rmse"),
+                        ({"name": "c", "rel_rmse": None, "max_abs": 1.0}, "field line 3.rel_rmse is null")):
+        with pytest.raises(VerifyFailed, match=needle):
+            table_rows(good + [bad], "t")
+
+
+def _k3_selection(layers: int = 61, experts: int = 384):
+    from converter.fixture import _tensors, config
+    from converter.formats.compressed_tensors import compressed_tensors_source
+
+    spec = FixtureSpec(layers=layers + 1, experts=experts)
+    listed = list(_tensors(spec))
+    converted = sorted({n for n, _, k in listed if k == "packed"})
+    plain = sorted(n[:-7] for n, _, k in listed if k == "bf16" and n.endswith(".weight"))
+    src = config(spec)
+    return compressed_tensors_source(src, "config.json").int4_config(src, converted, []), converted, plain
+
+
+@pytest.mark.parametrize("edit", ["none", "ignore-one-expert", "ignore-by-class", "exact-targets", "dotless-target",
+                                  "partial-regex", "select-bf16", "ignore-layer", "flag-target", "backref-ignore"])
+def test_fast_selection_equals_the_loaders_matcher_on_every_module(edit, monkeypatch):
+    """selection_problems decides most experts without compressed-tensors' ``is_match``: its verdicts
+    equal ``is_match`` on every module (CHECKED_BY_LOADER large: the loader decides all)."""
+    from converter import verify as v
+    from converter.formats.checkpoint import quant_blocks
+
+    cfg, converted, plain = _k3_selection(layers=6, experts=64)
+    block = cfg["text_config"]["quantization_config"]
+    group = block["config_groups"]["group_0"]
+    one = converted[len(converted) // 2 + 1]  # not among the experts the loader re-decides
+    {"none": lambda: None,
+     "ignore-one-expert": lambda: block["ignore"].append(one),
+     "ignore-by-class": lambda: block["ignore"].append("Linear"),
+     "exact-targets": lambda: group.update(targets=converted[:-1]),
+     "dotless-target": lambda: group["targets"].append("lm_head"),
+     "partial-regex": lambda: group.update(targets=[r"re:experts\.\d+"]),   # re.match: from the start only
+     "select-bf16": lambda: group["targets"].append("re:.*norm$"),
+     "ignore-layer": lambda: block["ignore"].append(r"re:.*layers\.3\."),
+     "flag-target": lambda: group["targets"].append("re:(?i).*NORM$"),          # a flag that must come first
+     "backref-ignore": lambda: block["ignore"].append(r"re:(l)anguage_mode\1\.model\.layers\.3\.")}[edit]()
+    blocks = quant_blocks(cfg)
+    fast = v.selection_problems(blocks, converted, plain)
+    monkeypatch.setattr(v, "CHECKED_BY_LOADER", 10**9)
+    assert fast == v.selection_problems(blocks, converted, plain)
+    assert (fast == []) == (edit in ("none", "dotless-target")), fast
+    if edit == "ignore-one-expert":
+        assert fast == [f"the targets/ignore lists do not select 1 converted module(s) (a loader would read them "
+                        f"as bf16): {one}"]
+
+
+def test_fast_selection_defers_to_the_loader_when_they_disagree(monkeypatch):
+    """Should compressed-tensors' matcher ever decide a sampled module otherwise, it decides all."""
+    from converter import verify as v
+    from converter.formats.checkpoint import quant_blocks
+
+    cfg, converted, plain = _k3_selection(layers=2, experts=8)
+    lost = converted[3]
+    fake = lambda name, module, patterns, ignore=(): v.EXPERT_TARGET in patterns and name != lost  # noqa: E731
+    monkeypatch.setattr(v, "_name_matcher", lambda: fake)
+    assert v.selection_problems(quant_blocks(cfg), converted, [])[0].endswith(f"as bf16): {lost}")

@@ -10,8 +10,6 @@ Absent, a test skips saying which; with K3CONVERT_REQUIRE_VLLM=1 it fails instea
 """
 from __future__ import annotations
 
-import ast
-import importlib.util
 import json
 import os
 import subprocess
@@ -28,10 +26,11 @@ from converter.fixture import config as k3_config
 from converter.formats.dialect import int4_block
 from converter.vllm_plugin import layout, route
 
+import server_sources  # noqa: E402 - tests/server_sources.py: vLLM's and aiter's own layout code
+
 HERE = Path(__file__).parent
 REQUIRE = os.environ.get("K3CONVERT_REQUIRE_VLLM") == "1"
-FLYDSL = "model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/compressed_tensors_moe_w4a16_flydsl.py"
-MXFP4 = "model_executor/layers/quantization/mxfp4.py"
+FLYDSL, MXFP4, functions = server_sources.FLYDSL, server_sources.MXFP4, server_sources.functions
 
 
 def source(env: str, rel: str) -> Path:
@@ -45,35 +44,14 @@ def source(env: str, rel: str) -> Path:
     pytest.skip(why)
 
 
-def functions(path: Path, names: set[str], namespace: dict, cls: str | None = None) -> dict:
-    """Compile only the named top-level functions (or methods of `cls`) of a file we did not write."""
-    tree = ast.parse(path.read_text())
-    scope = tree.body if cls is None else next(
-        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
-    found = [n for n in scope if isinstance(n, ast.FunctionDef) and n.name in names]
-    assert {n.name for n in found} == names, f"{path} lacks {names - {n.name for n in found}}"
-    exec(compile(ast.Module(body=found, type_ignores=[]), str(path), "exec"), namespace)
-    return namespace
-
-
 def aiter_shuffle() -> types.ModuleType:
     """amd-aiter's own aiter/ops/shuffle.py (it imports only torch)."""
-    path = source("K3CONVERT_AITER_SRC", "ops/shuffle.py")
-    spec = importlib.util.spec_from_file_location("aiter_pypi_shuffle", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return server_sources.aiter_shuffle(source("K3CONVERT_AITER_SRC", "ops/shuffle.py"))
 
 
 def vllm_flydsl() -> dict:
     """vLLM 0.33's CT int4 -> FlyDSL helpers, with aiter's real shuffle_weight."""
-    ns = {"torch": torch, "shuffle_weight": aiter_shuffle().shuffle_weight}
-    names = {"_unpack_gptq_int32_to_signed_int4", "_pack_shuffled_int8_to_packed_int4_no_perm",
-             "_gptq_int32_to_flydsl_packed"}
-    functions(source("K3CONVERT_VLLM033_SRC", FLYDSL), names, ns)
-    functions(source("K3CONVERT_VLLM033_SRC", FLYDSL), {"process_weights_after_loading"}, ns,
-              cls="CompressedTensorsW4A16FlydslMoEMethod")
-    return ns
+    return server_sources.vllm_flydsl(source("K3CONVERT_VLLM033_SRC", FLYDSL), aiter_shuffle().shuffle_weight)
 
 
 def random_codes(e: int, n: int, k: int, seed: int) -> torch.Tensor:
@@ -139,18 +117,7 @@ def _load_time_helpers(kind: str):
                         "(PyPI 0.1.7.post2.dev18 does not; ROCm builds do)")
         return shuffle.pack_int8_to_packed_int4, shuffle.shuffle_scale_for_int4
     ns = vllm_flydsl()
-
-    def shuffle_scale_for_int4(scale, group_size=32):
-        """vLLM's own FlyDSL scale relayout, run through the method that holds it."""
-        assert group_size == 32
-        e, g, n = scale.shape
-        dummy = torch.zeros(e, 4, 16, dtype=torch.int32)
-        lyr = types.SimpleNamespace(w13_weight_packed=dummy, w2_weight_packed=dummy.clone(),
-                                    w13_weight_scale=scale, w2_weight_scale=scale)
-        ns["replace_parameter"] = lambda lyr_, name, t: setattr(lyr_, name, t)
-        ns["process_weights_after_loading"](types.SimpleNamespace(group_size=32), lyr)
-        return lyr.w13_weight_scale.view(e, g // 2, n, 2)
-    return ns["_pack_shuffled_int8_to_packed_int4_no_perm"], shuffle_scale_for_int4
+    return ns["_pack_shuffled_int8_to_packed_int4_no_perm"], server_sources.vllm_scale_relayout(ns)
 
 
 @pytest.mark.parametrize("helpers", ["vllm", "aiter"])
@@ -259,9 +226,12 @@ def test_probe_accepts_aiters_layout_and_refuses_others():
         return (u[:, 0] | (u[:, 1] << 4)).view(torch.int8)
 
     assert layout.probe(shuffle_weight, pack, scale_gn_pairs) is None
-    assert "shuffle_scale_for_int4" in layout.probe(shuffle_weight, pack, scale_n_major)
-    assert "pack_int8_to_packed_int4" in layout.probe(shuffle_weight, pack_adjacent, scale_gn_pairs)
-    assert "shuffle_weight" in layout.probe(lambda x, _l: x, pack, scale_gn_pairs)
+    assert (layout.probe(shuffle_weight, pack, scale_n_major)
+            == "aiter's shuffle_scale_for_int4 lays out bf16 group scales differently")
+    assert (layout.probe(shuffle_weight, pack_adjacent, scale_gn_pairs)
+            == "aiter's pack_int8_to_packed_int4 packs int4 codes differently")
+    assert (layout.probe(lambda x, _l: x, pack, scale_gn_pairs)
+            == "aiter's shuffle_weight (16, 16) lays out int8 codes differently")
 
 
 # ------------------------------------------------------------------ route and refusals (simulated)
@@ -300,6 +270,17 @@ def test_route_claims_k3_int4_on_gfx942_with_aiter():
     # hf_config as vLLM passes it: an object with attributes, text_config an object too
     obj = types.SimpleNamespace(model_type="kimi_k3", text_config=types.SimpleNamespace(**cfg["text_config"]))
     assert route.decide(quant, None, obj, GOOD) == route.NAME
+
+
+def test_route_claims_the_k3_mtp_draft():
+    """vLLM 0.33's speculative config renames the draft's model_type to kimi_k3_mtp (speculative.py:785-792)
+    and keeps text_config; its layers are K3's own KimiDecoderLayer (models/kimi_k3/amd/mtp.py:84)."""
+    quant, cfg = k3(model_type="kimi_k3_mtp")
+    assert route.decide(quant, None, cfg, GOOD) == route.NAME
+    quant, cfg = k3(model_type="kimi_k3_mtp", text_overrides={"hidden_act": "silu"})
+    assert route.decide(quant, None, cfg, GOOD) is None
+    quant, cfg = k3(model_type="deepseek_mtp")
+    assert route.decide(quant, None, cfg, GOOD) is None
 
 
 @pytest.mark.parametrize("case,machine,change", [
@@ -385,6 +366,8 @@ def real_vllm(tmp_path_factory) -> dict:
     """Two runs of the real vLLM: with the plugin (then ROCm simulated), and with VLLM_PLUGINS excluding it.
     The checkpoint is the config.json of a tiny Mixtral as k3convert writes its int4 output (SPEC §3)."""
     py = vllm_python()
+    source("K3CONVERT_VLLM033_SRC", FLYDSL)          # the probe's expected bytes come from these
+    source("K3CONVERT_AITER_SRC", "ops/shuffle.py")
     d = tmp_path_factory.mktemp("int4_mixtral")
     cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -424,6 +407,34 @@ def test_real_vllm_runs_the_experts_method(real_vllm):
     assert out["w1_scale_is_layer_scale"]
     assert out["sizes_k3_tp8"] == [3584, 384]
     assert out["pad_refused"].startswith("k3convert vLLM plugin:") and "intermediate size 96" in out["pad_refused"]
+
+
+def test_real_vllm_leaves_lora_and_emulation_to_vllms_own_method(real_vllm):
+    """What vLLM 0.33's get_moe_method checks before its int4 kernels (compressed_tensors_moe.py:106-130):
+    with LoRA, or moe_backend 'emulation', the experts get vLLM's own method, as without the plugin."""
+    out = real_vllm["with"]["rocm"]["quant_method"]
+    assert out == {"default": "K3Int4AiterMoEMethod", "lora": "stock", "emulation": "stock",
+                   "flydsl": "K3Int4AiterMoEMethod"}
+
+
+def test_size_problem_is_the_one_size_rule():
+    """One torch-free rule (route.size_problem) for moe_method.maybe_roundup_sizes and serving.py's
+    `verify --serving vllm-rocm-plugin`: 128-aligned hidden and per-rank intermediate sizes pass."""
+    assert route.size_problem(3584, 384) is None and route.size_problem(3584, 3072) is None
+    assert (route.size_problem(3552, 384)
+            == "hidden size 3552 or per-rank intermediate size 384 is not a multiple of 128")
+    assert (route.size_problem(3584, 96)
+            == "hidden size 3584 or per-rank intermediate size 96 is not a multiple of 128")
+    assert route.check_dims(24, 64) == "output size 24 is not a multiple of 16"
+    assert route.check_dims(16, 96) == "input size 96 is not a multiple of 64 (the scale layout pairs groups of 32)"
+    # serving.py's verdict through this rule: tests/test_serving.py::test_plugin_refuses_sizes_its_kernel_would_pad
+
+
+def test_stock_moe_reason():
+    assert route.stock_moe_reason(None, "auto") is None
+    assert route.stock_moe_reason(None, None) is None
+    assert route.stock_moe_reason(object(), "auto") == "LoRA is enabled (the packed-int4 kernel has no LoRA path)"
+    assert route.stock_moe_reason(None, "emulation") == "moe_backend 'emulation' was chosen"
 
 
 def test_real_vllm_scheme_lookup_for_the_experts(real_vllm):

@@ -48,6 +48,8 @@ def test_chooser_invariants(cores, memory, shards):
     c = choose_cpu_workers(cores, memory, shards)
     assert c.workers >= 1 and c.workers * c.threads <= cores or c.workers == c.threads == 1
     assert c.workers == 1 or c.workers * PER <= memory * workers.MEMORY_SHARE
+    # sized with the threads each worker is given (its hashing buffers), not THREADS_PER_WORKER's
+    assert c.workers == 1 or c.workers * worker_bytes(c.threads) <= memory * workers.MEMORY_SHARE
     assert c.workers <= (shards or c.workers) and c.workers <= max(1, cores // THREADS_PER_WORKER)
     # a cap that does not bind changes nothing
     assert choose_cpu_workers(cores, memory * 4, shards).workers >= c.workers
@@ -110,7 +112,8 @@ def test_requested_count_is_kept_and_said(monkeypatch):
     c = cpu_workers(3, shards=1)   # an explicit count is never capped
     assert (c.workers, c.threads) == (3, 5) and "--workers 3; 16 cores, 24.0 GiB available" in c.reason
     assert cpu_workers(None, 8) == choose_cpu_workers(16, 24 * GiB, 8)
-    devs, note = plan_workers(Options(devices=["cpu"], workers=None), shards=8)
+    devs, note, threads = plan_workers(Options(devices=["cpu"], workers=None), shards=8)
+    assert threads == 2  # what the note says each worker gets, passed to Workers as is
     assert devs == ["cpu"] * 8
     assert note == "cpu: 8 worker(s) x 2 thread(s) (auto: one per 2 cores; 16 cores, 24.0 GiB available)"
     assert resolve_devices(Options(devices=["cpu"], workers=None), 3) == ["cpu"] * 3
@@ -154,6 +157,8 @@ def test_ready_event_reports_threads(fixture_src, tmp_path, monkeypatch):
     for env, expected in ((None, devices.cpus()), ("1", 1)):
         if env:
             monkeypatch.setenv("NUMBA_NUM_THREADS", env)
+        c = cpu_workers(1)  # the note states the threads the worker reports
+        assert c.threads == expected and (f"NUMBA_NUM_THREADS={env}" in str(c)) == (expected < devices.cpus()), c
         events: list[tuple[str, dict]] = []
         convert(fixture_src, str(tmp_path / f"out{env}"), Options(devices=["cpu"], workers=1, inline=False),
                 lambda k, f: events.append((k, f)))

@@ -8,8 +8,12 @@ Config resolution only (no engine is started): two runs of this cost about two v
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
+from pathlib import Path
+
+import server_sources   # tests/server_sources.py, beside this script
 
 
 def resolve(model_dir: str) -> dict:
@@ -63,7 +67,7 @@ def rocm(model_dir: str) -> dict:
     mixtral = json.load(open(f"{model_dir}/config.json"))
     return {"refused": refused,
             "not_k3": cls.override_quantization_method(mixtral["quantization_config"], None, hf_config=mixtral),
-            "method": method(rocm_aiter_ops), "scheme": scheme(cls)}
+            "method": method(rocm_aiter_ops), "scheme": scheme(cls), "quant_method": quant_method(cls)}
 
 
 def scheme(cls) -> dict:
@@ -90,6 +94,36 @@ def scheme(cls) -> dict:
             "int8": ask(num_bits=8)}
 
 
+def quant_method(cls) -> dict:
+    """get_quant_method on vLLM's RoutedExperts class (after `method`, which fakes the rest of aiter),
+    under each vllm config vLLM's own get_moe_method checks; vLLM's own answer is recorded as 'stock'."""
+    import torch
+    import vllm.config
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+
+    from converter.formats.dialect import int4_block
+
+    layer = RoutedExperts.__new__(RoutedExperts)       # vLLM's class; its __init__ needs a whole engine
+    torch.nn.Module.__init__(layer)
+    layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name = "gate_proj", "up_proj", "down_proj"
+    layer.moe_config = types.SimpleNamespace(activation=MoEActivation.SITU, activation_situ_linear_beta=25.0,
+                                             max_capture_size=0)
+    CompressedTensorsConfig.get_quant_method = lambda self, lyr, prefix: "stock"
+    config = cls.from_config(int4_block(["Linear"], []))
+    out = {}
+    for case, lora, backend in (("default", None, "auto"), ("lora", object(), "auto"),
+                                ("emulation", None, "emulation"), ("flydsl", None, "flydsl")):
+        vllm.config.get_current_vllm_config = lambda lora=lora, backend=backend: types.SimpleNamespace(
+            lora_config=lora, kernel_config=types.SimpleNamespace(moe_backend=backend))
+        got = config.get_quant_method(layer, "language_model.model.layers.1.block_sparse_moe.experts")
+        out[case] = got if isinstance(got, str) else type(got).__name__
+    return out
+
+
 def method(rocm_aiter_ops) -> dict:
     """The routed-experts method on this real vLLM: vLLM's WNA16 create_weights, our in-place layout,
     replace_parameter, and the kernel build call (recorded: AiterMxfp4Experts cannot build on a CPU)."""
@@ -99,14 +133,19 @@ def method(rocm_aiter_ops) -> dict:
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend, backend_to_kernel_cls
 
-    from converter.vllm_plugin import layout, moe_method, route
+    from converter.vllm_plugin import moe_method, route
 
     rocm_aiter_ops.is_fused_moe_situv2_gate_up_interleaved = lambda: False
     rocm_aiter_ops.is_fused_moe_situv2_enabled = lambda: False
     sys.modules["aiter"].dtypes = types.SimpleNamespace(i4x2=torch.uint8, i8=torch.int8)
-    sys.modules["aiter.ops.shuffle"] = types.SimpleNamespace(   # layout itself is tested elsewhere
-        shuffle_weight=lambda x, _l: layout.shuffle_16x16(x), pack_int8_to_packed_int4=layout.pack_i4x2,
-        shuffle_scale_for_int4=lambda s, group_size: layout.scales_to_aiter(s.transpose(1, 2).contiguous()))
+    # the simulated aiter's layout helpers and the expected bytes: aiter's and vLLM 0.33's own code
+    aiter_shuffle = server_sources.aiter_shuffle(Path(os.environ["K3CONVERT_AITER_SRC"], "ops/shuffle.py"))
+    shuffle_weight = aiter_shuffle.shuffle_weight
+    ns = server_sources.vllm_flydsl(Path(os.environ["K3CONVERT_VLLM033_SRC"], server_sources.FLYDSL), shuffle_weight)
+    relayout = server_sources.vllm_scale_relayout(ns)
+    sys.modules["aiter.ops.shuffle"] = types.SimpleNamespace(
+        shuffle_weight=shuffle_weight, pack_int8_to_packed_int4=ns["_pack_shuffled_int8_to_packed_int4_no_perm"],
+        shuffle_scale_for_int4=relayout)
     built = {}
     moe_method.make_mxfp4_moe_kernel = lambda **kw: built.update(kw) or "kernel"
 
@@ -123,8 +162,8 @@ def method(rocm_aiter_ops) -> dict:
     codes13 = torch.randint(-8, 8, (e, 2 * inter, hidden), dtype=torch.int8, generator=gen)
     layer.w13_weight_packed.data.copy_(pack_to_int32(codes13, 4))
     layer.w13_weight_scale.data.copy_(torch.rand(e, 2 * inter, hidden // 32, generator=gen).to(torch.bfloat16))
-    want13 = layout.pack_i4x2(layout.shuffle_16x16(codes13))
-    want_s13 = layout.scales_to_aiter(layer.w13_weight_scale.data.clone()).view(-1)
+    want13 = ns["_gptq_int32_to_flydsl_packed"](layer.w13_weight_packed.data.transpose(1, 2).contiguous())
+    want_s13 = relayout(layer.w13_weight_scale.data.transpose(1, 2).contiguous()).reshape(-1)
     layer._expert_routing_tables = lambda: None
     m.process_weights_after_loading(layer)
     par = type("NoAll2All", (), {"__getattr__": lambda self, name: False})()   # no all2all kernel in use
@@ -135,7 +174,8 @@ def method(rocm_aiter_ops) -> dict:
         pad_refused = str(exc)
     return {
         "shapes": shapes,
-        "w13_bytes_equal": bool(torch.equal(layer.w13_weight_packed.data.view(torch.uint8), want13)),
+        "w13_bytes_equal": bool(torch.equal(layer.w13_weight_packed.data.view(torch.uint8),
+                                            want13.view(torch.uint8).view(e, 2 * inter, hidden // 2))),
         "w13_scale_equal": bool(torch.equal(layer.w13_weight_scale.data, want_s13)),
         "w13_shape": list(layer.w13_weight_packed.shape), "w2_shape": list(layer.w2_weight_packed.shape),
         "shuffled": bool(getattr(layer.w13_weight_packed, "is_shuffled", False)),

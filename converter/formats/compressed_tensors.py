@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..errors import BadInput
 from .json_input import ListOf, MapOf, Nullable, type_problems
-from .dialect import (MXFP4_FORMAT, PACKED, Dialect, MXFP4Source, _matches, dotted, drop_or_refuse,
+from .dialect import (DEFAULT_RULE, MXFP4_FORMAT, PACKED, Dialect, MXFP4Source, _matches, dotted, drop_or_refuse,
                       int4_block, int4_targets, quant_blocks, register)
 
 
@@ -30,7 +30,8 @@ class CompressedTensorsSource(MXFP4Source):
             return False
         return any(not p.startswith("re:") and p[:1].isupper() or _matches(module, p) for p in self.targets)
 
-    def int4_config(self, config: dict, converted: list[str], unconverted: list[str]) -> dict:
+    def int4_config(self, config: dict, converted: list[str], unconverted: list[str],
+                    rule: str = DEFAULT_RULE) -> dict:
         """Every MXFP4 block replaced (kv-cache and MoE-sparsity kept); targets name exactly the
         converted modules, and the ignore list is the source's less what vLLM would misread
         (``int4_targets``)."""
@@ -41,7 +42,7 @@ class CompressedTensorsSource(MXFP4Source):
                 parent = parent[key]
             old = parent[path[-1]]
             keep = {k: old[k] for k in ("kv_cache_scheme", "moe_sparsity_config") if old.get(k) is not None}
-            parent[path[-1]] = int4_block(*int4_targets(converted, unconverted, old.get("ignore") or []), keep)
+            parent[path[-1]] = int4_block(*int4_targets(converted, unconverted, old.get("ignore") or []), keep, rule)
         return out
 
 

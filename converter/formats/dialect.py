@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import BadInput
+from ..quant.rules import DEFAULT as DEFAULT_RULE, RULE_KEY
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 PACKED, SCALE, SHAPE = "weight_packed", "weight_scale", "weight_shape"
@@ -65,7 +66,9 @@ class MXFP4Source:
     def selects(self, module: str) -> bool:
         raise NotImplementedError
 
-    def int4_config(self, config: dict, converted: list[str], unconverted: list[str]) -> dict:
+    def int4_config(self, config: dict, converted: list[str], unconverted: list[str],
+                    rule: str = DEFAULT_RULE) -> dict:
+        """``config`` with each MXFP4 block replaced by :func:`int4_block` (written with ``rule``)."""
         raise NotImplementedError
 
     def record(self) -> dict[str, Any]:
@@ -109,8 +112,10 @@ def int4_targets(converted: list[str], kept: list[str], inherited_ignore: list[s
     return ([EXPERT_TARGET] if experts else []) + others, ignore
 
 
-def int4_block(targets: list[str], ignore: list[str], keep: dict[str, Any] | None = None) -> dict:
-    """The compressed-tensors pack-quantized int4 group-32 block that replaces an MXFP4 one."""
+def int4_block(targets: list[str], ignore: list[str], keep: dict[str, Any] | None = None,
+               rule: str = DEFAULT_RULE) -> dict:
+    """The compressed-tensors pack-quantized int4 group-32 block that replaces an MXFP4 one; it names
+    the scale rule that wrote the codes (``RULE_KEY``), for ``inspect`` and ``verify``."""
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -122,6 +127,7 @@ def int4_block(targets: list[str], ignore: list[str], keep: dict[str, Any] | Non
         "ignore": list(ignore),
         "kv_cache_scheme": None,
         **(keep or {}),
+        RULE_KEY: rule,
     }
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..safepath import open_regular
+
 INT_DIGITS = 20            # a 64-bit integer has at most 20 digits: longer ones are never converted
 INT_LIMIT = 1 << 63
 
@@ -49,8 +51,10 @@ def loads(text: str, constants: bool = False) -> Any:
 
 
 def load_file(path: str, constants: bool = False) -> Any:
-    """A JSON file's value (FileNotFoundError, UnicodeDecodeError, ValueError pass through)."""
-    with open(path, encoding="utf-8") as f:
+    """A JSON file's value (FileNotFoundError, UnicodeDecodeError, ValueError pass through).
+    Only a regular file is read: a FIFO (which would wait for a writer for ever) or a device is
+    refused with BadInput naming what it is (safepath.open_regular)."""
+    with open(open_regular(path, missing_ok=True), encoding="utf-8") as f:
         return loads(f.read(), constants)
 
 

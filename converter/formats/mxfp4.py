@@ -39,9 +39,14 @@ def decode(packed: torch.Tensor, scales: torch.Tensor, bias: int = 127,
     """
     lut = torch.as_tensor(E2M1_VALUES, dtype=dtype, device=packed.device)
     codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
-    exps = (scales.int() + 127 - bias) % 256
-    unit = torch.pow(2.0, exps.to(dtype) - 127).repeat_interleave(32, dim=1)
+    unit = torch.pow(2.0, to_ocp(scales, bias).to(dtype) - 127).repeat_interleave(32, dim=1)
     return lut[codes] * unit
+
+
+def to_ocp(scales: torch.Tensor, bias: int = 127) -> torch.Tensor:
+    """E8M0 bytes written with exponent bias ``bias``, as OCP's bias-127 bytes (uint8, modulo 256:
+    the shift the converter applies as it reads)."""
+    return ((scales.to(torch.int32) + 127 - bias) % 256).to(torch.uint8)
 
 
 def refused_scale(packed: np.ndarray, scales: np.ndarray, bias: int = 127) -> tuple[int, str] | None:

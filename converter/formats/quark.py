@@ -17,8 +17,8 @@ from typing import Any
 
 from ..errors import BadInput
 from .json_input import ListOf, MapOf, Nullable, type_problems
-from .dialect import (Dialect, MXFP4Source, dotted, drop_or_refuse, int4_block, int4_targets, quant_blocks,
-                      register)
+from .dialect import (DEFAULT_RULE, Dialect, MXFP4Source, dotted, drop_or_refuse, int4_block, int4_targets,
+                      quant_blocks, register)
 
 # per-module tensors that serve only activation / KV-cache quantization
 ACTIVATION_TENSORS = (".input_scale", ".output_scale", ".input_zero_point", ".output_zero_point")
@@ -59,7 +59,8 @@ class QuarkSource(MXFP4Source):
         cfg = self.config_for(module)
         return cfg is not None and is_mxfp4_spec(cfg.get("weight"))
 
-    def int4_config(self, config: dict, converted: list[str], unconverted: list[str]) -> dict:
+    def int4_config(self, config: dict, converted: list[str], unconverted: list[str],
+                    rule: str = DEFAULT_RULE) -> dict:
         """The Quark block replaced by compressed-tensors int4 whose targets and ignore select
         exactly the converted modules, under the checkpoint's names and vLLM's (``int4_targets``)."""
         out = copy.deepcopy(config)
@@ -67,7 +68,7 @@ class QuarkSource(MXFP4Source):
             parent = out
             for key in path[:-1]:
                 parent = parent[key]
-            parent[path[-1]] = int4_block(*int4_targets(converted, unconverted))
+            parent[path[-1]] = int4_block(*int4_targets(converted, unconverted), rule=rule)
         return out
 
 

@@ -7,3 +7,9 @@ RULES = {
 }
 DEFAULT = "optimal"
 RULE_KEY = "k3convert_scale_rule"  # in the output quantization_config: compressed-tensors and vLLM ignore it
+
+
+def recorded_rule(record: dict) -> str:
+    """The scale rule a manifest (or a run's options) records: its ``scale_rule``, else its
+    ``options.scale_rule``, else the default (outputs written before the option existed)."""
+    return record.get("scale_rule") or (record.get("options") or {}).get("scale_rule") or DEFAULT

@@ -12,19 +12,10 @@ from __future__ import annotations
 
 import torch
 
-GROUP = 32
-SHUFFLE_N = 16   # rows per (16, 16) tile
+from .route import GROUP, SHUFFLE_N  # the size rules are route's (torch-free)
+
 SHUFFLE_K = 32   # codes per tile row: BK = 2 * IK for one-byte elements
 CHUNK_EXPERTS = 4
-
-
-def check_dims(n: int, k: int) -> str | None:
-    """Why an [N, K] expert matrix cannot take this layout, or None."""
-    if n % SHUFFLE_N:
-        return f"output size {n} is not a multiple of {SHUFFLE_N}"
-    if k % (2 * GROUP):
-        return f"input size {k} is not a multiple of {2 * GROUP} (the scale layout pairs groups of {GROUP})"
-    return None
 
 
 def ct_words_to_codes(words: torch.Tensor) -> torch.Tensor:
@@ -89,10 +80,13 @@ def probe(shuffle_weight, pack_int8_to_packed_int4, shuffle_scale_for_int4) -> s
     """
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(-8, 8, (2, 32, 128), dtype=torch.int8, generator=gen)
-    theirs = pack_int8_to_packed_int4(shuffle_weight(codes.clone(), (16, 16)))
-    ours = pack_i4x2(shuffle_16x16(codes))
-    if not torch.equal(theirs.contiguous().view(torch.uint8).reshape(-1), ours.reshape(-1)):
-        return "aiter's shuffle_weight/pack_int8_to_packed_int4 lay out int4 codes differently"
+    bytes_of = lambda t: t.contiguous().view(-1).view(torch.uint8)  # noqa: E731
+    shuffled = shuffle_16x16(codes)
+    theirs_shuffled = shuffle_weight(codes.clone(), (16, 16))
+    if not torch.equal(bytes_of(theirs_shuffled), bytes_of(shuffled)):
+        return "aiter's shuffle_weight (16, 16) lays out int8 codes differently"
+    if not torch.equal(bytes_of(pack_int8_to_packed_int4(theirs_shuffled)), bytes_of(pack_i4x2(shuffled))):
+        return "aiter's pack_int8_to_packed_int4 packs int4 codes differently"
     scale_ng = torch.randn(2, 32, 4, generator=gen).to(torch.bfloat16)   # [E, N, G]
     theirs_s = shuffle_scale_for_int4(scale_ng.transpose(1, 2).contiguous(), group_size=GROUP)
     if not torch.equal(theirs_s.contiguous().view(-1).view(torch.int16),

@@ -95,12 +95,14 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
         aligned = mxfp4_round_up_hidden_size_and_intermediate_size(
             self.mxfp4_backend, *sizes, activation=self.moe.activation)
         hidden, inter = sizes
-        why = layout.check_dims(2 * inter, hidden) or layout.check_dims(hidden, inter)
-        if tuple(aligned) != tuple(sizes) or why:
+        why = route.size_problem(hidden, inter)
+        if why is None and tuple(aligned) != tuple(sizes):
+            why = f"vLLM's route would pad them to {tuple(aligned)}"
+        if why:
             raise route.Refused(
                 f"{self.prefix}: experts of hidden size {hidden} and intermediate size {inter} per rank "
-                f"do not fit the kernel unpadded ({why or f'it needs {tuple(aligned)}'}); choose a "
-                "tensor/expert-parallel split that keeps the per-rank intermediate size a multiple of 128")
+                f"do not fit the kernel unpadded ({why}); choose a tensor/expert-parallel split that "
+                f"keeps the per-rank intermediate size a multiple of {route.ALIGN}")
         return sizes
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

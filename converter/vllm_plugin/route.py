@@ -13,7 +13,11 @@ from typing import Any, Callable, Mapping
 NAME = "k3convert-int4-gfx942"
 VLLM_SERIES = "0.33."                          # the vLLM the layout and kernel build were written for
 GEMM1_PARAMS = ("act", "situ_beta", "situ_linear_beta")
+KERNEL_MODULE = "aiter.ops.flydsl.kernels.moe_2stage_a16wmix"   # vLLM 0.33 mxfp4.py:882 imports gemm1 from it
 PREFIX = "k3convert vLLM plugin:"
+GROUP = 32        # int4 group size the kernel reads
+SHUFFLE_N = 16    # rows per aiter (16, 16) preshuffle tile
+ALIGN = 128       # vLLM 0.33 rounds AITER_MXFP4_BF16 K3 SiTU sizes up to this (oracle/mxfp4.py:888-892)
 
 
 class Refused(RuntimeError):
@@ -37,13 +41,42 @@ def _get(cfg: Any, key: str) -> Any:
     return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
 
 
+def check_dims(n: int, k: int) -> str | None:
+    """Why an [N, K] expert matrix cannot take the plugin's layout, or None."""
+    if n % SHUFFLE_N:
+        return f"output size {n} is not a multiple of {SHUFFLE_N}"
+    if k % (2 * GROUP):
+        return f"input size {k} is not a multiple of {2 * GROUP} (the scale layout pairs groups of {GROUP})"
+    return None
+
+
+def size_problem(hidden: int, inter_per_rank: int) -> str | None:
+    """Why experts of this hidden and per-rank intermediate size do not fit the kernel unpadded, or None.
+
+    The words on disk fix the shapes, so the plugin pads nothing: what vLLM's route would round up, or
+    what the layout cannot tile (w13 is [2I, H], w2 [H, I]), is refused. Used by moe_method and by
+    `verify --serving vllm-rocm-plugin`.
+    """
+    if hidden % ALIGN or inter_per_rank % ALIGN:
+        return (f"hidden size {hidden} or per-rank intermediate size {inter_per_rank} is not a multiple "
+                f"of {ALIGN}")
+    return check_dims(2 * inter_per_rank, hidden) or check_dims(hidden, inter_per_rank)
+
+
 def text_config(hf_config: Any) -> Any:
     """K3 keeps the language model's fields (hidden_act, situ betas) in text_config."""
     return _get(hf_config, "text_config") or hf_config
 
 
+# kimi_k3_mtp: vLLM 0.33 renames the speculative draft's model_type (config/speculative.py:785-792); its
+# KimiK3MTP layers are the same KimiDecoderLayer/KimiMoE (models/kimi_k3/amd/mtp.py:84, linear.py:198),
+# built from the same hf_text_config: the same SiTU experts.
+K3_MODEL_TYPES = ("kimi_k3", "kimi_k3_mtp")
+
+
 def is_kimi_k3(hf_config: Any) -> bool:
-    return hf_config is not None and _get(hf_config, "model_type") == "kimi_k3"
+    """Kimi K3, or its MTP draft as vLLM's speculative config renames it."""
+    return hf_config is not None and _get(hf_config, "model_type") in K3_MODEL_TYPES
 
 
 def int4_groups(quant_cfg: Mapping) -> list[tuple[str, Mapping]]:
@@ -76,8 +109,7 @@ def scheme_problem(weights: Mapping, input_activations: Any, fmt: Any) -> str | 
 def gemm1_problem(gemm1: Callable[..., Any] | None) -> str | None:
     """Why aiter's packed-int4 stage-1 entry point cannot compute SiTUv2, or None."""
     if gemm1 is None:
-        return ("aiter has no aiter.ops.flydsl.kernels.moe_2stage_a16wmix.flydsl_a16w4_gemm1 "
-                "(no packed-int4 a16w4 MoE path)")
+        return f"aiter has no {KERNEL_MODULE}.flydsl_a16w4_gemm1 (no packed-int4 a16w4 MoE path)"
     try:
         params = inspect.signature(gemm1).parameters
     except (TypeError, ValueError):
@@ -86,6 +118,20 @@ def gemm1_problem(gemm1: Callable[..., Any] | None) -> str | None:
     if missing:
         return (f"aiter's flydsl_a16w4_gemm1 takes no {', '.join(missing)}: it would compute SiLU, "
                 "not K3's SiTUv2; install an aiter with the SiTUv2 packed-int4 pipeline")
+    return None
+
+
+def stock_moe_reason(lora_config: Any, moe_backend: Any) -> str | None:
+    """Why vLLM's own compressed-tensors MoE method must serve the experts, or None.
+
+    What vLLM 0.33's CompressedTensorsMoEMethod.get_moe_method checks before its own int4 kernels
+    (compressed_tensors_moe.py:106-130): LoRA turns them off, and a user-chosen emulation backend
+    asks for the reference method.
+    """
+    if lora_config is not None:
+        return "LoRA is enabled (the packed-int4 kernel has no LoRA path)"
+    if moe_backend == "emulation":
+        return "moe_backend 'emulation' was chosen"
     return None
 
 

@@ -59,6 +59,14 @@ class K3Int4Gfx942Config(CompressedTensorsConfig):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
 
         if isinstance(layer, RoutedExperts):
+            from vllm.config import get_current_vllm_config
+
+            cfg = get_current_vllm_config()
+            why = route.stock_moe_reason(cfg.lora_config, getattr(cfg.kernel_config, "moe_backend", None))
+            if why is not None:
+                logger.warning_once(f"{route.PREFIX} {why}: vLLM's own compressed-tensors MoE method "
+                                    "serves the experts")
+                return super().get_quant_method(layer, prefix)
             weights = self._int4_expert_weights(layer, prefix)
             if weights is not None:
                 from .moe_method import K3Int4AiterMoEMethod
