@@ -96,8 +96,8 @@ def _read_obj(path: str, check: Check | None, types: Any = None) -> dict | None:
         obj = read_json(path)
     except ConvertError as e:
         if check is None:
-            raise BadInput("is not valid JSON", file=path) from None
-        check.fail(f"{os.path.basename(path)} is not valid JSON ({e})")
+            raise BadInput(str(e)) from None   # it names the file and why (not JSON, a FIFO, ...)
+        check.fail(f"{os.path.basename(path)} cannot be read as JSON ({e})")
         return None
     if obj is None and check is not None:
         check.fail(f"{os.path.basename(path)} is missing")
