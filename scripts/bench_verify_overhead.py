@@ -13,21 +13,16 @@ older tree the same way.
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_scale_rule import cpu_seconds  # noqa: E402  (one timer for the CPU benchmarks)
 
 from converter import verify
 from converter.fixture import FixtureSpec, _tensors, config
 from converter.formats import checkpoint as ckpt
 from converter.formats.compressed_tensors import compressed_tensors_source
-
-
-def cpu_seconds(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t0)
-    return best
 
 
 def old_rows(table: list[dict], path: str) -> dict:
