@@ -14,9 +14,6 @@ CPU reference happens here.
 from __future__ import annotations
 
 import os
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -25,9 +22,8 @@ import torch
 pytest.importorskip("triton")
 
 from converter.quant.requant import requantize as cpu_requantize  # noqa: E402
+from interpreted import run_interpreted  # noqa: E402
 
-HERE = pathlib.Path(__file__).resolve().parent
-REPO = HERE.parent
 
 
 def _mx_groups(rng: np.random.Generator, n: int, dist: str = "gauss") -> tuple[np.ndarray, np.ndarray]:
@@ -169,15 +165,7 @@ def _child_main(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def kernel_out(tmp_path_factory) -> dict[str, np.ndarray]:
-    out = tmp_path_factory.mktemp("kernel") / "out.npz"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    code = "import sys, test_kernel_parity as t; t._child_main(sys.argv[1])"
-    proc = subprocess.run([sys.executable, "-c", code, str(out)], env=env, cwd=str(REPO),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    with np.load(out) as z:
-        return {k: z[k] for k in z.files}
+    return run_interpreted("test_kernel_parity", tmp_path_factory.mktemp("kernel") / "out.npz")
 
 
 def _check(kernel_out: dict[str, np.ndarray], name: str) -> None:

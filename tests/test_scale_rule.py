@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,13 +17,12 @@ import torch
 from safetensors import safe_open
 
 from conftest import ct_int4_q, raw_header, read_json, run_cli
+from interpreted import run_interpreted
 
 from converter.pipeline import Options
 from converter.quant import cpu_kernel, server_rule
 from converter.verify import verify
 
-HERE = pathlib.Path(__file__).resolve().parent
-REPO = HERE.parent
 MXFP4_LIST = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
@@ -201,14 +197,7 @@ def _child_main(out_path: str) -> None:
 
 def test_triton_kernel_matches_cpu(tmp_path):
     pytest.importorskip("triton")
-    out = tmp_path / "out.npz"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    code = "import sys, test_scale_rule as t; t._child_main(sys.argv[1])"
-    proc = subprocess.run([sys.executable, "-c", code, str(out)], env=env, cwd=str(REPO),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    got = dict(np.load(out))
+    got = run_interpreted("test_scale_rule", tmp_path / "out.npz")
     for name, (p, s) in {"classes": _every_class(), "realistic": _realistic(2048, seed=5)}.items():
         ref = cpu_kernel.server_requantize(p, s, [0, 7, 300, 301, p.shape[0]])
         assert np.array_equal(got[f"{name}.packed"], ref.packed.numpy()), name
