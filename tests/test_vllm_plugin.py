@@ -285,8 +285,6 @@ def test_route_claims_the_k3_mtp_draft():
 
 @pytest.mark.parametrize("case,machine,change", [
     ("CUDA or CPU", route.Machine(is_rocm=False), {}),
-    ("gfx950 (not gfx942)", route.Machine(True, False, True, "0.33.0", _gemm1_ok), {}),
-    ("AITER MoE off", route.Machine(True, True, False, "0.33.0", _gemm1_ok), {}),
     ("another model", GOOD, {"model_type": "mixtral"}),
     ("SiLU experts", GOOD, {"text": {"hidden_act": "silu"}}),
     ("MXFP4 checkpoint", GOOD, {"weights": {"type": "float"}}),
@@ -295,17 +293,31 @@ def test_route_claims_the_k3_mtp_draft():
 ])
 def test_route_stays_out_of_the_way(case, machine, change):
     quant, cfg = k3(change.get("weights"), None, change.get("text"), change.get("model_type", "kimi_k3"))
-    warned = []
-    assert route.decide(quant, change.get("user"), cfg, machine, warn=warned.append) is None, case
-    assert bool(warned) == (case == "AITER MoE off")
-    if warned:
-        assert "VLLM_ROCM_USE_AITER_MOE=1" in warned[0]
+    assert route.decide(quant, change.get("user"), cfg, machine) is None, case
+
+
+@pytest.mark.parametrize("change", [{"model_type": "mixtral"}, {"text": {"hidden_act": "silu"}},
+                                    {"weights": {"type": "float"}}, {"user": "fp8"}])
+def test_the_machine_is_not_asked_for_other_checkpoints(change):
+    """machine() (which imports aiter) is evaluated only for a K3 int4 SiTU checkpoint."""
+    quant, cfg = k3(change.get("weights"), None, change.get("text"), change.get("model_type", "kimi_k3"))
+    asked = []
+    assert route.decide(quant, change.get("user"), cfg, lambda: asked.append(1) or GOOD) is None
+    assert not asked
+    quant, cfg = k3()
+    assert route.decide(quant, None, cfg, lambda: asked.append(1) or GOOD) == route.NAME and asked == [1]
 
 
 @pytest.mark.parametrize("case,machine,change,message", [
+    ("gfx950", route.Machine(True, False, True, "0.33.0", _gemm1_ok, gpu="AMD Instinct MI355X"), {},
+     "this GPU (AMD Instinct MI355X) is not gfx942"),
+    ("AITER MoE off", route.Machine(True, True, False, "0.33.0", _gemm1_ok), {},
+     "AITER MoE is off: set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1"),
     ("vLLM 0.32", route.Machine(True, True, True, "0.32.0", _gemm1_ok), {}, "written for vLLM 0.33.x, found vLLM 0.32.0"),
     ("vLLM 0.34", route.Machine(True, True, True, "0.34.1", _gemm1_ok), {}, "found vLLM 0.34.1"),
     ("aiter without the int4 entry point", route.Machine(True, True, True, "0.33.0", None), {}, "no packed-int4 a16w4"),
+    ("aiter import error kept", route.Machine(True, True, True, "0.33.0", None, "ImportError: libflydsl.so: cannot open"),
+     {}, "ImportError: libflydsl.so: cannot open"),
     ("aiter gemm1 without act", route.Machine(True, True, True, "0.33.0", _gemm1_silu_only), {}, "would compute SiLU"),
     ("aiter gemm1 without betas", route.Machine(True, True, True, "0.33.0", _gemm1_act_no_beta), {}, "situ_beta, situ_linear_beta"),
     ("group 128", GOOD, {"weights": {"group_size": 128}}, "expected group 32"),
@@ -413,8 +425,10 @@ def test_real_vllm_leaves_lora_and_emulation_to_vllms_own_method(real_vllm):
     """What vLLM 0.33's get_moe_method checks before its int4 kernels (compressed_tensors_moe.py:106-130):
     with LoRA, or moe_backend 'emulation', the experts get vLLM's own method, as without the plugin."""
     out = real_vllm["with"]["rocm"]["quant_method"]
-    assert out == {"default": "K3Int4AiterMoEMethod", "lora": "stock", "emulation": "stock",
-                   "flydsl": "K3Int4AiterMoEMethod"}
+    assert out["default"] == "K3Int4AiterMoEMethod" and out["aiter"] == "K3Int4AiterMoEMethod"
+    assert out["lora"] == "stock" and out["emulation"] == "stock"
+    assert out["flydsl"].startswith("k3convert vLLM plugin: --moe-backend flydsl:")
+    assert out["elastic-ep"].startswith("k3convert vLLM plugin: elastic expert parallelism")
 
 
 def test_size_problem_is_the_one_size_rule():
@@ -430,11 +444,18 @@ def test_size_problem_is_the_one_size_rule():
     # serving.py's verdict through this rule: tests/test_serving.py::test_plugin_refuses_sizes_its_kernel_would_pad
 
 
-def test_stock_moe_reason():
-    assert route.stock_moe_reason(None, "auto") is None
-    assert route.stock_moe_reason(None, None) is None
-    assert route.stock_moe_reason(object(), "auto") == "LoRA is enabled (the packed-int4 kernel has no LoRA path)"
-    assert route.stock_moe_reason(None, "emulation") == "moe_backend 'emulation' was chosen"
+def test_experts_choice():
+    """Who serves the experts for each --moe-backend of vLLM 0.33 (config/kernel.py MoEBackend)."""
+    assert route.experts_choice(None, "auto", False) is None
+    assert route.experts_choice(None, None, False) is None
+    assert route.experts_choice(None, "AITER", False) is None
+    assert route.experts_choice(object(), "auto", False) == "LoRA is enabled (the packed-int4 kernel has no LoRA path)"
+    assert route.experts_choice(None, "emulation", False) == "moe_backend 'emulation' was chosen"
+    for backend in ("triton", "flydsl", "marlin", "aiter_triton_mxfp4_bf16", "triton_unfused", "rdna3"):
+        with pytest.raises(route.Refused, match=f"--moe-backend {backend}: "):
+            route.experts_choice(None, backend, False)
+    with pytest.raises(route.Refused, match="elastic expert parallelism"):
+        route.experts_choice(None, "auto", True)
 
 
 def test_real_vllm_scheme_lookup_for_the_experts(real_vllm):

@@ -16,6 +16,7 @@ from .route import GROUP, SHUFFLE_N  # the size rules are route's (torch-free)
 
 SHUFFLE_K = 32   # codes per tile row: BK = 2 * IK for one-byte elements
 CHUNK_EXPERTS = 4
+ZERO_WORD = -0x77777778   # 0x88888888 as int32: eight nibbles 8, i.e. eight codes 0
 
 
 def ct_words_to_codes(words: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,33 @@ def convert_experts_(words: torch.Tensor, scales: torch.Tensor,
         out_w[lo:hi].copy_(w)
         out_s[lo:hi].copy_(s)
     return out_w, out_s.view(-1)
+
+
+def neutralize_padding_(w13_words: torch.Tensor, w13_scales: torch.Tensor, w2_words: torch.Tensor,
+                        w2_scales: torch.Tensor, real: int) -> str | None:
+    """Make the channels vLLM padded (per-rank intermediate ``real`` -> I) contribute exactly zero.
+
+    vLLM leaves padded words 0, and a 0 nibble is code -8, with scales of 1: the kernel would add
+    -8 * x per padded channel. Here they become code 0 with scale 0 (CT order, before the layout):
+    w13 rows [real, I) and [I + real, 2I), w2 columns [real, I). Returns why not, or None: a padded
+    region that holds anything but zero words was loaded into, so the padding model is wrong.
+    """
+    inter = w13_words.shape[1] // 2
+    if real == inter:
+        return None
+    if not 0 < real < inter or real % GROUP:
+        return f"{real} real channels of {inter} per rank (expected a positive multiple of {GROUP} below it)"
+    pads = ((w13_words, 1, real, inter), (w13_words, 1, inter + real, 2 * inter),
+            (w2_words, 2, real // 8, inter // 8))
+    for words, dim, lo, hi in pads:
+        if words.narrow(dim, lo, hi - lo).any():
+            return f"padded channels {lo}..{hi - 1} hold loaded data"
+    for words, dim, lo, hi in pads:
+        words.narrow(dim, lo, hi - lo).fill_(ZERO_WORD)
+    w13_scales[:, real:inter].zero_()
+    w13_scales[:, inter + real:].zero_()
+    w2_scales[:, :, real // GROUP:].zero_()
+    return None
 
 
 def probe(shuffle_weight, pack_int8_to_packed_int4, shuffle_scale_for_int4) -> str | None:

@@ -7,6 +7,7 @@ Written against vLLM 0.33.0 (`quantization/mxfp4.py` Mxfp4MoEMethod and `_setup_
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from fractions import Fraction
 from typing import Any
@@ -26,7 +27,9 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 from vllm.model_executor.utils import replace_parameter
 
-from . import layout, route
+from . import layout, route, selftest
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -51,8 +54,25 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
     supports_pre_processed_weights = False
     # Weights load exactly as vLLM's compressed-tensors WNA16 MoE method loads them (N-first int32
     # words and bf16 group scales, vLLM's TP/EP sharding): the same functions, not a copy.
-    create_weights = CompressedTensorsWNA16MoEMethod.create_weights
     get_weight_shape = CompressedTensorsWNA16MoEMethod.get_weight_shape
+    self_tested = False      # once per process: the first routed-experts layer laid out
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra: Any) -> None:
+        """vLLM's WNA16 create_weights, with the weight loader watched for the checkpoint's own
+        intermediate size (what tells real channels from the padding vLLM's KimiMoE adds)."""
+        loader = extra.get("weight_loader")
+        if loader is not None:
+            extra["weight_loader"] = self._watching(loader)
+        CompressedTensorsWNA16MoEMethod.create_weights(
+            self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra)
+
+    def _watching(self, loader):
+        def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs):
+            if shard_id in ("w1", "w3") and loaded_weight.ndim == 2 and loaded_weight.dtype == torch.int32:
+                self.ckpt_inter = int(loaded_weight.shape[0])   # [I, H/8]: the whole, before the TP split
+            return loader(param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs)
+        return weight_loader
 
     def __init__(self, weight_quant: Any, moe: Any, prefix: str = ""):
         FusedMoEMethodBase.__init__(self, moe)
@@ -81,6 +101,7 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
                                 "packed-int4 a16w4 kernel reads [gate; up] separated: unset it")
         if rocm_aiter_ops.is_fused_moe_situv2_enabled():
             os.environ["AITER_BF16_FP8_MOE_BOUND"] = "0"   # as mxfp4.py does: a16w4 ignores this bound
+        self.ckpt_inter: int | None = None
         self.max_capture_size = moe.max_capture_size
         self._cache_permute_indices: dict = {}
         self.moe_kernel = None
@@ -105,16 +126,33 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
                 f"keeps the per-rank intermediate size a multiple of {route.ALIGN}")
         return sizes
 
+    def real_channels(self, layer: torch.nn.Module) -> int:
+        """This rank's intermediate channels that hold checkpoint data (the rest is vLLM's padding)."""
+        padded = layer.w13_weight_packed.shape[1] // 2
+        if self.ckpt_inter is None:        # nothing loaded through the loader (dummy weights)
+            return padded
+        par = self.moe.moe_parallel_config
+        return route.real_channels(self.ckpt_inter, par.tp_size, par.tp_rank)
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         from aiter import dtypes as aiter_dtypes
 
         check_aiter_layout()
+        for s_name in ("w13_weight_scale", "w2_weight_scale"):
+            if getattr(layer, s_name).dtype != torch.bfloat16:
+                raise route.Refused(f"{self.prefix}.{s_name}: {getattr(layer, s_name).dtype} scales; the kernel "
+                                    "reads bf16 (serve with --dtype bfloat16)")
+        w13, s13 = layer.w13_weight_packed.data, layer.w13_weight_scale.data
+        w2, s2 = layer.w2_weight_packed.data, layer.w2_weight_scale.data
+        real = self.real_channels(layer)
+        probe = self._probe_experts(layer, real) if self._will_self_test() else None
+        why = layout.neutralize_padding_(w13, s13, w2, s2, real)
+        if why is not None:
+            raise route.Refused(f"{self.prefix}: vLLM padded the per-rank intermediate size to {w13.shape[1] // 2} "
+                                f"but {why}; not serving")
         for w_name, s_name in (("w13_weight_packed", "w13_weight_scale"),
                                ("w2_weight_packed", "w2_weight_scale")):
             words, scales = getattr(layer, w_name).data, getattr(layer, s_name).data
-            if scales.dtype != torch.bfloat16:
-                raise route.Refused(f"{self.prefix}.{s_name}: {scales.dtype} scales; the kernel reads "
-                                    "bf16 (serve with --dtype bfloat16)")
             packed, flat_scales = layout.convert_experts_(words.contiguous(), scales.contiguous())
             replace_parameter(layer, w_name, packed.view(aiter_dtypes.i4x2))
             replace_parameter(layer, s_name, flat_scales)
@@ -129,6 +167,47 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
                 experts_cls=self.experts_cls,
                 routing_tables=layer._expert_routing_tables(),
             )
+        if probe is not None:
+            self._self_test(layer, *probe)
+
+    # ---------------------------------------------------------------- the load-time self-test
+
+    def _will_self_test(self) -> bool:
+        if K3Int4AiterMoEMethod.self_tested:
+            return False
+        K3Int4AiterMoEMethod.self_tested = True
+        if not selftest.enabled():
+            logger.warning("%s %s=0: the kernel self-test is OFF; nothing checks that the installed aiter "
+                           "computes K3's experts correctly", route.PREFIX, selftest.ENV)
+            return False
+        if self.moe.moe_parallel_config.use_all2all_kernels:
+            logger.warning("%s kernel self-test skipped: all2all kernels (data-parallel expert parallelism) "
+                           "dispatch through collectives that cannot run for one layer at load", route.PREFIX)
+            return False
+        return True
+
+    def _probe_experts(self, layer: torch.nn.Module, real: int):
+        """Copies of a few local experts' int4 as loaded (real channels only), and remote expert ids."""
+        emap = layer.expert_map
+        chosen, remote = selftest.choose_experts(selftest.local_ids(emap, layer.global_num_experts),
+                                                 layer.global_num_experts, self.moe.experts_per_token)
+        experts = {}
+        for g in chosen:
+            i = g if emap is None else int(emap[g])
+            experts[g] = selftest.expert_copy(layer.w13_weight_packed.data[i], layer.w13_weight_scale.data[i],
+                                              layer.w2_weight_packed.data[i], layer.w2_weight_scale.data[i], real)
+        return experts, remote
+
+    def _self_test(self, layer: torch.nn.Module, experts: dict, remote: list[int]) -> None:
+        act = selftest.Activation(float(self.moe.activation_situ_beta),
+                                  None if self.moe.activation_situ_linear_beta is None
+                                  else float(self.moe.activation_situ_linear_beta))
+        out = selftest.run(lambda p: self.apply(layer, p.x, p.topk_weights, p.topk_ids, None, None),
+                           experts, remote, act)
+        if out.problem is not None:
+            raise route.Refused(f"{self.prefix}: the kernel self-test failed ({out.line()}): {out.problem}; "
+                                f"not serving ({selftest.ENV}=0 skips the test at your own risk)")
+        logger.info("%s kernel self-test passed on %s: %s", route.PREFIX, self.prefix, out.line())
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         """Mxfp4MoEMethod.apply on the compressed-tensors parameter names."""

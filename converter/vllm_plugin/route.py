@@ -29,12 +29,14 @@ class Refused(RuntimeError):
 
 @dataclass(frozen=True)
 class Machine:
-    """What vLLM and aiter report on this process's machine."""
+    """What vLLM and aiter report on this process's machine (gathered only for K3 int4 checkpoints)."""
     is_rocm: bool
     on_gfx942: bool = False
     aiter_moe_enabled: bool = False
     vllm_version: str = ""
     gemm1: Callable[..., Any] | None = None    # aiter's flydsl_a16w4_gemm1, None if it cannot be imported
+    gemm1_error: str = ""                      # why it could not be imported (aiter's own words)
+    gpu: str = ""                              # the GPU's name as vLLM reports it, for messages
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -106,10 +108,11 @@ def scheme_problem(weights: Mapping, input_activations: Any, fmt: Any) -> str | 
     return None
 
 
-def gemm1_problem(gemm1: Callable[..., Any] | None) -> str | None:
+def gemm1_problem(gemm1: Callable[..., Any] | None, error: str = "") -> str | None:
     """Why aiter's packed-int4 stage-1 entry point cannot compute SiTUv2, or None."""
     if gemm1 is None:
-        return f"aiter has no {KERNEL_MODULE}.flydsl_a16w4_gemm1 (no packed-int4 a16w4 MoE path)"
+        why = f": {error}" if error else ""
+        return f"aiter has no {KERNEL_MODULE}.flydsl_a16w4_gemm1 (no packed-int4 a16w4 MoE path){why}"
     try:
         params = inspect.signature(gemm1).parameters
     except (TypeError, ValueError):
@@ -121,48 +124,89 @@ def gemm1_problem(gemm1: Callable[..., Any] | None) -> str | None:
     return None
 
 
-def stock_moe_reason(lora_config: Any, moe_backend: Any) -> str | None:
-    """Why vLLM's own compressed-tensors MoE method must serve the experts, or None.
+# --moe-backend values under which the plugin's AITER kernel serves the experts (vLLM's default, and
+# AITER by name); "emulation" is vLLM's own reference method, which the plugin hands the experts to.
+PLUGIN_BACKENDS = ("auto", "aiter")
+EMULATION = "emulation"
+OFF = "VLLM_PLUGINS= (empty) turns the plugin off"
 
-    What vLLM 0.33's CompressedTensorsMoEMethod.get_moe_method checks before its own int4 kernels
-    (compressed_tensors_moe.py:106-130): LoRA turns them off, and a user-chosen emulation backend
-    asks for the reference method.
+
+def experts_choice(lora_config: Any, moe_backend: Any, elastic_ep: bool) -> str | None:
+    """Who serves the routed experts: None (the plugin), or why vLLM's own method must; raises Refused.
+
+    vLLM 0.33's CompressedTensorsMoEMethod.get_moe_method (compressed_tensors_moe.py:106-130) uses its
+    own int4 kernels only without LoRA and honours a chosen emulation backend: the plugin does the same.
+    Any other explicit backend would be ignored by the plugin's kernel or, served by vLLM, compute
+    SiLU (flydsl) or refuse SiTU (triton): refused. Elastic EP rebuilds the method as vLLM's
+    FusedMoEModularMethod, which reads `layer.w13_weight` (fused_moe_modular_method.py:112, absent
+    from the int4 layout): refused.
     """
+    backend = str(getattr(moe_backend, "value", moe_backend) or "auto").lower()
     if lora_config is not None:
         return "LoRA is enabled (the packed-int4 kernel has no LoRA path)"
-    if moe_backend == "emulation":
+    if backend == EMULATION:
         return "moe_backend 'emulation' was chosen"
+    if backend not in PLUGIN_BACKENDS:
+        raise Refused(f"--moe-backend {backend}: the plugin serves K3's int4 SiTU experts with AITER "
+                      f"({' or '.join(PLUGIN_BACKENDS)}) or hands them to vLLM's {EMULATION}; no other vLLM "
+                      "backend computes SiTU on these weights; drop the flag")
+    if elastic_ep:
+        raise Refused("elastic expert parallelism rebuilds the experts as vLLM's FusedMoEModularMethod, "
+                      "which reads w13_weight, not the packed int4 layout; serve without --enable-elastic-ep")
     return None
 
 
-def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
-           machine: Machine, warn: Callable[[str], None] = lambda _m: None) -> str | None:
-    """The override_quantization_method answer for this checkpoint on this machine."""
-    if not machine.is_rocm or not isinstance(quant_cfg, Mapping):
-        return None
-    if user_quant not in (None, NAME, "compressed-tensors"):
-        return None
+def is_k3_int4(quant_cfg: Any, user_quant: str | None, hf_config: Any) -> bool:
+    """A compressed-tensors int4 Kimi K3 (or MTP draft) with SiTU experts: the checkpoints the plugin is for.
+
+    Decided from the configs alone, so nothing about the machine is asked (nor aiter imported) for any
+    other checkpoint.
+    """
+    if not isinstance(quant_cfg, Mapping) or user_quant not in (None, NAME, "compressed-tensors"):
+        return False
     if quant_cfg.get("quant_method") != "compressed-tensors" or not is_kimi_k3(hf_config):
+        return False
+    return bool(int4_groups(quant_cfg)) and _get(text_config(hf_config), "hidden_act") == "situ"
+
+
+def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
+           machine: Machine | Callable[[], Machine]) -> str | None:
+    """The override_quantization_method answer for this checkpoint on this machine.
+
+    None where the plugin is not meant for the checkpoint (stock vLLM decides) or on CUDA/CPU, whose
+    stock vLLM serves SiTU int4 (Marlin) or has no ROCm kernel question. On ROCm a K3 int4 SiTU
+    checkpoint is served by the plugin or refused in one line: stock vLLM there would dequantize it
+    to bf16 (EMULATION: out of memory at K3's size) or, with --moe-backend flydsl on gfx950, compute SiLU.
+    """
+    if not is_k3_int4(quant_cfg, user_quant, hf_config):
         return None
-    groups = int4_groups(quant_cfg)
-    text = text_config(hf_config)
-    if not groups or _get(text, "hidden_act") != "situ":
+    m = machine() if callable(machine) else machine
+    if not m.is_rocm:
         return None
-    if not machine.on_gfx942:
-        return None
-    if not machine.aiter_moe_enabled:
-        warn(f"{PREFIX} inactive: AITER MoE is off (set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1); "
-             "stock vLLM has no int4 SiTU MoE kernel on gfx942")
-        return None
-    if not machine.vllm_version.startswith(VLLM_SERIES):
-        raise Refused(f"written for vLLM {VLLM_SERIES}x, found vLLM {machine.vllm_version or 'unknown'}")
-    if (why := gemm1_problem(machine.gemm1)) is not None:
+    if not m.on_gfx942:
+        raise Refused(f"this GPU ({m.gpu or 'not gfx942'}) is not gfx942: the packed-int4 SiTU kernel the plugin "
+                      "uses is vLLM's gfx942 route, and stock vLLM here would dequantize the experts to bf16 or "
+                      "compute SiLU (--moe-backend flydsl); on gfx950 serve the MXFP4 original; " + OFF)
+    if not m.aiter_moe_enabled:
+        raise Refused("AITER MoE is off: set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1 (stock vLLM would "
+                      "dequantize the int4 experts to bf16: about 4x their memory); " + OFF)
+    if not m.vllm_version.startswith(VLLM_SERIES):
+        raise Refused(f"written for vLLM {VLLM_SERIES}x, found vLLM {m.vllm_version or 'unknown'}")
+    if (why := gemm1_problem(m.gemm1, m.gemm1_error)) is not None:
         raise Refused(why)
-    for name, group in groups:
+    for name, group in int4_groups(quant_cfg):
         why = scheme_problem(group["weights"], group.get("input_activations"),
                              group.get("format", quant_cfg.get("format")))
         if why is not None:
             raise Refused(f"quantization_config.config_groups.{name}: {why}")
-    if _get(text, "activation_situ_linear_beta") is None:
+    if _get(text_config(hf_config), "activation_situ_linear_beta") is None:
         raise Refused("config.json has no activation_situ_linear_beta (K3's SiTUv2 needs it)")
     return NAME
+
+
+def real_channels(ckpt_inter: int, moe_tp_size: int, moe_tp_rank: int) -> int:
+    """The intermediate channels vLLM 0.33's loader puts on this MoE rank (routed_experts.py
+    _load_w13/_load_w2: the unpadded per-rank size, the last rank may get fewer); the rest of a padded
+    per-rank size stays padding."""
+    per = ckpt_inter // moe_tp_size
+    return max(0, min(per, ckpt_inter - per * moe_tp_rank))

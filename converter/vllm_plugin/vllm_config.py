@@ -18,7 +18,10 @@ logger = init_logger(__name__)
 
 
 def machine() -> route.Machine:
-    """Facts about this process's machine, each read the way vLLM 0.33's own gfx942 route reads it."""
+    """Facts about this process's machine, each read the way vLLM 0.33's own gfx942 route reads it.
+
+    Called only for a K3 int4 SiTU checkpoint (route.decide), so aiter is imported for nothing else.
+    """
     from vllm.platforms import current_platform
 
     if not current_platform.is_rocm():
@@ -31,17 +34,21 @@ def machine() -> route.Machine:
     except Exception:  # noqa: BLE001 - an unknown vLLM or platform is simply not gfx942 to us
         gfx942 = False
     try:
+        gpu = str(current_platform.get_device_name())
+    except Exception:  # noqa: BLE001 - for messages only
+        gpu = ""
+    try:
         from vllm._aiter_ops import rocm_aiter_ops
         moe_on = bool(rocm_aiter_ops.is_fused_moe_enabled())
     except Exception:  # noqa: BLE001
         moe_on = False
-    gemm1 = None
+    gemm1, error = None, ""
     if gfx942 and moe_on:
         try:
             from aiter.ops.flydsl.kernels.moe_2stage_a16wmix import flydsl_a16w4_gemm1 as gemm1
-        except Exception:  # noqa: BLE001 - reported by route.gemm1_problem as "no packed-int4 path"
-            gemm1 = None
-    return route.Machine(True, gfx942, moe_on, getattr(vllm, "__version__", ""), gemm1)
+        except Exception as exc:  # noqa: BLE001 - reported by route.gemm1_problem, aiter's words kept
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return route.Machine(True, gfx942, moe_on, getattr(vllm, "__version__", ""), gemm1, error, gpu)
 
 
 class K3Int4Gfx942Config(CompressedTensorsConfig):
@@ -53,7 +60,7 @@ class K3Int4Gfx942Config(CompressedTensorsConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
                                      hf_config: Any = None) -> str | None:
-        return route.decide(hf_quant_cfg, user_quant, hf_config, machine(), warn=logger.warning)
+        return route.decide(hf_quant_cfg, user_quant, hf_config, machine)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -62,15 +69,17 @@ class K3Int4Gfx942Config(CompressedTensorsConfig):
             from vllm.config import get_current_vllm_config
 
             cfg = get_current_vllm_config()
-            why = route.stock_moe_reason(cfg.lora_config, getattr(cfg.kernel_config, "moe_backend", None))
+            weights = self._int4_expert_weights(layer, prefix)
+            if weights is None:
+                return super().get_quant_method(layer, prefix)
+            why = route.experts_choice(cfg.lora_config, getattr(cfg.kernel_config, "moe_backend", None),
+                                       bool(getattr(getattr(cfg, "parallel_config", None), "enable_elastic_ep", False)))
             if why is not None:
                 logger.warning_once(f"{route.PREFIX} {why}: vLLM's own compressed-tensors MoE method "
                                     "serves the experts")
                 return super().get_quant_method(layer, prefix)
-            weights = self._int4_expert_weights(layer, prefix)
-            if weights is not None:
-                from .moe_method import K3Int4AiterMoEMethod
-                return K3Int4AiterMoEMethod(weights, layer.moe_config, prefix)
+            from .moe_method import K3Int4AiterMoEMethod
+            return K3Int4AiterMoEMethod(weights, layer.moe_config, prefix)
         return super().get_quant_method(layer, prefix)
 
     def _int4_expert_weights(self, layer: Any, prefix: str):

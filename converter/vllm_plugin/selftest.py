@@ -1,0 +1,220 @@
+"""A numeric self-test of the routed-experts kernel on the user's own GPU, run once at load (torch only).
+
+Why: nobody here can run AITER's packed-int4 SiTU kernel, and signature checks cannot tell a kernel
+that computes SiLU, decodes code -8 as something else, reads another layout or lets padded channels
+through from a correct one. So after the first routed-experts layer is laid out, a few tokens go
+through the layer's own ``apply`` (the very kernel call the model makes) and are compared with a
+float32 reference computed from the checkpoint's int4 codes and scales as compressed-tensors defines
+them (value = q * scale) and SiTU-GLU with the config's betas (SPEC §4). Tokens are scaled so that
+the gate and up projections reach the ranges where SiTU differs from SiLU and linear_beta clips.
+On a mismatch the alternatives that explain it (SiLU, no linear_beta, -8 read as 0 or +8) are tried,
+so the refusal names the fault it found.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+from . import layout
+
+ENV = "K3CONVERT_SELFTEST"     # "0": skip (logged)
+TOL = 0.03                     # worst per-token relative L2 error a bf16 a16w4 kernel may show
+TOKEN_RMS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)   # target RMS of each token's gate projection
+MAX_LOCAL = 8                  # local experts sampled when remote ones fill the rest of top-k
+MINUS_EIGHT_FIX = ("convert with `--scale-rule optimal-pm7` (codes in [-7, 7], README: Which scale rule)")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+@dataclass(frozen=True)
+class Expert:
+    """One expert's int4 as loaded (compressed-tensors words, bf16 scales), real channels only."""
+
+    w13_words: torch.Tensor    # int32 [2I, H/8]: rows [0, I) gate, [I, 2I) up
+    w13_scales: torch.Tensor   # bf16 [2I, H/32]
+    w2_words: torch.Tensor     # int32 [H, I/8]
+    w2_scales: torch.Tensor    # bf16 [H, I/32]
+
+
+@dataclass(frozen=True)
+class Activation:
+    beta: float
+    linear_beta: float | None
+    kind: str = "situ"         # "situ" or "silu" (the alternative a faulty kernel computes)
+
+
+def dequant(words: torch.Tensor, scales: torch.Tensor, minus_eight: float = -8.0) -> torch.Tensor:
+    """compressed-tensors int4 (q + 8 per nibble) -> float32 q * scale; ``minus_eight`` is the value
+    code -8 takes (-8 for the format; other values model a kernel that reads it wrongly)."""
+    q = layout.ct_words_to_codes(words).float()
+    if minus_eight != -8.0:
+        q = torch.where(q == -8, torch.full_like(q, minus_eight), q)
+    return q * scales.float().repeat_interleave(layout.GROUP, dim=-1)
+
+
+def glu(h13: torch.Tensor, act: Activation) -> torch.Tensor:
+    """SiTU-GLU (vLLM's SituAndMul.forward_native, in float32) or SiLU-GLU on [gate | up]."""
+    g, u = h13.chunk(2, dim=-1)
+    if act.kind == "silu":
+        return torch.nn.functional.silu(g) * u
+    a = act.beta * torch.tanh(g / act.beta) * torch.sigmoid(g)
+    if act.linear_beta is not None:
+        u = act.linear_beta * torch.tanh(u / act.linear_beta)
+    return a * u
+
+
+def reference(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              experts: Mapping[int, Expert], act: Activation, minus_eight: float = -8.0) -> torch.Tensor:
+    """float32 [T, H]: sum over each token's chosen experts of weight * w2 @ glu(w13 @ x).
+
+    Experts not in ``experts`` (remote under expert parallelism) contribute nothing: another rank
+    computes them.
+    """
+    xf = x.float()
+    out = torch.zeros(x.shape[0], experts_hidden(experts, x), dtype=torch.float32, device=x.device)
+    for e, ex in experts.items():
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = xf[tok] @ dequant(ex.w13_words, ex.w13_scales, minus_eight).T
+        y = glu(h, act) @ dequant(ex.w2_words, ex.w2_scales, minus_eight).T
+        out.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
+    return out
+
+
+def local_ids(expert_map: torch.Tensor | None, global_num: int) -> list[int]:
+    """Global ids of this rank's experts (vLLM's expert_map: global -> local index, -1 remote)."""
+    if expert_map is None:
+        return list(range(global_num))
+    return [int(e) for e in (expert_map >= 0).nonzero().flatten()]
+
+
+def expert_copy(w13_words: torch.Tensor, w13_scales: torch.Tensor, w2_words: torch.Tensor,
+                w2_scales: torch.Tensor, real: int) -> Expert:
+    """One expert's int4 as loaded (CT order, before the in-place layout), its ``real`` channels only."""
+    inter = w13_words.shape[0] // 2
+    rows = torch.cat((torch.arange(real), inter + torch.arange(real))).to(w13_words.device)
+    return Expert(w13_words.index_select(0, rows), w13_scales.index_select(0, rows),
+                  w2_words[:, : real // 8].clone(), w2_scales[:, : real // layout.GROUP].clone())
+
+
+def experts_hidden(experts: Mapping[int, Expert], x: torch.Tensor) -> int:
+    ex = next(iter(experts.values()), None)
+    return x.shape[1] if ex is None else ex.w2_words.shape[0]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Tokens and routing that reach local experts (and remote ones under expert parallelism)."""
+
+    x: torch.Tensor             # bf16 [T, H]
+    topk_weights: torch.Tensor  # float32 [T, k]
+    topk_ids: torch.Tensor      # int32 [T, k], global expert ids
+    local: tuple[int, ...]      # the global ids whose int4 the reference holds
+    remote: tuple[int, ...]
+
+
+def choose_experts(local_ids: list[int], global_num: int, top_k: int) -> tuple[list[int], list[int]]:
+    """Local experts to hold in the reference and remote ones to route to, top_k distinct at most."""
+    local_set = set(local_ids)
+    remote_all = [e for e in range(global_num) if e not in local_set]
+    n_local = min(len(local_ids), top_k if not remote_all else max(1, min(MAX_LOCAL, top_k // 2)))
+    spread = [local_ids[(i * len(local_ids)) // n_local] for i in range(n_local)]   # first to last
+    n_remote = min(top_k - n_local, len(remote_all))
+    remote = [remote_all[(i * len(remote_all)) // n_remote] for i in range(n_remote)] if n_remote else []
+    return spread, remote
+
+
+def make_probe(experts: Mapping[int, Expert], remote: list[int], act: Activation,
+               seed: int = 0) -> Probe:
+    """One token per target RMS in TOKEN_RMS; token t routes to every chosen expert, rotated by t."""
+    device = next(iter(experts.values())).w13_words.device
+    hidden = next(iter(experts.values())).w13_words.shape[1] * 8
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    ids = list(experts) + list(remote)
+    t_count = len(TOKEN_RMS)
+    rows = [ids[t % len(ids):] + ids[:t % len(ids)] for t in range(t_count)]
+    topk_ids = torch.tensor(rows, dtype=torch.int32, device=device)
+    topk_weights = (0.5 + torch.rand(t_count, len(ids), generator=gen)).to(device)
+    x = torch.randn(t_count, hidden, generator=gen).to(device)
+    gate = torch.cat([x @ dequant(ex.w13_words, ex.w13_scales).T[:, : ex.w13_words.shape[0] // 2]
+                      for ex in experts.values()], dim=1)
+    rms = gate.pow(2).mean(dim=1).sqrt().clamp_min(1e-30)
+    x = (x * (torch.tensor(TOKEN_RMS, device=device) / rms)[:, None]).to(torch.bfloat16)
+    return Probe(x, topk_weights, topk_ids, tuple(experts), tuple(remote))
+
+
+def rel_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per token ||got - want|| / ||want|| (inf where got is not finite)."""
+    g = got.float()
+    err = (g - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30)
+    return torch.where(torch.isfinite(g).all(dim=1), err, torch.full_like(err, float("inf")))
+
+
+def count_minus_eight(experts: Mapping[int, Expert]) -> int:
+    """How many int4 codes of the sampled experts are -8 (nibble 0)."""
+    n = 0
+    for ex in experts.values():
+        for w in (ex.w13_words, ex.w2_words):
+            n += int((layout.ct_words_to_codes(w) == -8).sum())
+    return n
+
+
+@dataclass(frozen=True)
+class Outcome:
+    worst: float
+    minus_eight: int
+    seconds: float
+    problem: str | None         # None: passed
+
+    def line(self) -> str:
+        return (f"worst per-token relative error {self.worst:.3g} (limit {TOL}) over {len(TOKEN_RMS)} tokens, "
+                f"{self.minus_eight} codes -8 exercised, {self.seconds * 1e3:.0f} ms")
+
+
+def diagnose(probe: Probe, got: torch.Tensor, experts: Mapping[int, Expert], act: Activation,
+             n_minus8: int) -> str:
+    """Name the fault: the alternative reference the kernel's output matches, if any."""
+    candidates: list[tuple[str, Activation, float]] = [
+        ("it computes SiLU, not K3's SiTU: the installed aiter's int4 stage 1 ignores the activation",
+         Activation(act.beta, act.linear_beta, "silu"), -8.0),
+    ]
+    if act.linear_beta is not None:
+        candidates.append(("it ignores SiTU's linear_beta (the up projection is not clipped)",
+                           Activation(act.beta, None), -8.0))
+    if n_minus8:
+        for value in (0.0, 8.0):
+            candidates.append((f"it decodes int4 code -8 as {value:g}; {MINUS_EIGHT_FIX}", act, value))
+    found = []
+    for why, alt, m8 in candidates:
+        err = rel_errors(got, reference(probe.x, probe.topk_weights, probe.topk_ids, experts, alt, m8))
+        if float(err.max()) <= TOL:
+            found.append(why)
+    if found:
+        return "; ".join(found)
+    return ("matches no known fault (a layout this plugin does not write, padded channels that are not "
+            "zero, or remote experts computed locally)")
+
+
+def run(apply: Callable[[Probe], torch.Tensor], experts: Mapping[int, Expert], remote: list[int],
+        act: Activation) -> Outcome:
+    """Run ``apply`` (the layer's own kernel call) on a probe and compare with the reference."""
+    start = time.perf_counter()
+    probe = make_probe(experts, remote, act)
+    want = reference(probe.x, probe.topk_weights, probe.topk_ids, experts, act)
+    got = apply(probe)
+    if got.device.type == "cuda":
+        torch.cuda.synchronize(got.device)
+    err = rel_errors(got, want)
+    worst = float(err.max())
+    n8 = count_minus_eight(experts)
+    problem = None
+    if not worst <= TOL:
+        problem = diagnose(probe, got, experts, act, n8)
+    return Outcome(worst, n8, time.perf_counter() - start, problem)

@@ -1,0 +1,158 @@
+"""The plugin's load-time kernel self-test (converter/vllm_plugin/selftest.py) and its padding rule,
+against a simulated AITER kernel (tests/aiter_sim.py) that decodes its input by inverting aiter's
+own layout helpers (aiter's shuffle_weight, vLLM 0.33's packer and scale relayout; see
+tests/server_sources.py). A correct kernel passes; one that computes SiLU, ignores linear_beta,
+reads -8 as +8, reads a permuted layout, computes remote experts, or meets vLLM's padding as vLLM
+leaves it, is refused, and the refusal names the fault where one alternative explains it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+from converter.vllm_plugin import layout, route, selftest
+
+import aiter_sim
+import server_sources
+
+REQUIRE = os.environ.get("K3CONVERT_REQUIRE_VLLM") == "1"
+BETA, LINEAR_BETA = 4.0, 25.0
+
+
+def _src(env: str, rel: str) -> Path:
+    root = os.environ.get(env)
+    if root and Path(root, rel).is_file():
+        return Path(root, rel)
+    why = f"{env} unset or without {rel} (run scripts/fetch_server_sources.sh)"
+    if REQUIRE:
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def helpers() -> aiter_sim.Helpers:
+    shuffle = server_sources.aiter_shuffle(_src("K3CONVERT_AITER_SRC", "ops/shuffle.py"))
+    ns = server_sources.vllm_flydsl(_src("K3CONVERT_VLLM033_SRC", server_sources.FLYDSL), shuffle.shuffle_weight)
+    return aiter_sim.Helpers(shuffle.shuffle_weight, ns["_pack_shuffled_int8_to_packed_int4_no_perm"],
+                             server_sources.vllm_scale_relayout(ns))
+
+
+def loaded_layer(e: int, hidden: int, inter: int, real: int, seed: int = 0):
+    """CT words and scales [E, ...] as vLLM's loader leaves them: checkpoint data in the first ``real``
+    channels of each half, vLLM's padding (words 0, scales 1) in the rest. Codes include -8."""
+    gen = torch.Generator().manual_seed(seed)
+    c13 = torch.randint(-8, 8, (e, 2 * inter, hidden), dtype=torch.int8, generator=gen)
+    c2 = torch.randint(-8, 8, (e, hidden, inter), dtype=torch.int8, generator=gen)
+    w13, w2 = pack_to_int32(c13, 4), pack_to_int32(c2, 4)
+    s13 = (0.01 + 0.02 * torch.rand(e, 2 * inter, hidden // 32, generator=gen)).to(torch.bfloat16)
+    s2 = (0.01 + 0.02 * torch.rand(e, hidden, inter // 32, generator=gen)).to(torch.bfloat16)
+    if real < inter:
+        for lo, hi in ((real, inter), (inter + real, 2 * inter)):
+            w13[:, lo:hi] = 0
+            s13[:, lo:hi] = 1
+        w2[:, :, real // 8:] = 0
+        s2[:, :, real // 32:] = 1
+    return w13, s13, w2, s2
+
+
+def run_selftest(helpers, fault: str = "", e: int = 4, hidden: int = 128, inter: int = 128, real: int = 128,
+                 expert_map: torch.Tensor | None = None, global_num: int | None = None, top_k: int = 4,
+                 neutralize: bool = True) -> selftest.Outcome:
+    """What process_weights_after_loading does (copies, padding, layout), then the self-test."""
+    w13, s13, w2, s2 = loaded_layer(e, hidden, inter, real)
+    global_num = global_num or e
+    chosen, remote = selftest.choose_experts(selftest.local_ids(expert_map, global_num), global_num, top_k)
+    experts = {g: selftest.expert_copy(w13[i], s13[i], w2[i], s2[i], real)
+               for g in chosen for i in [g if expert_map is None else int(expert_map[g])]}
+    if neutralize:
+        assert layout.neutralize_padding_(w13, s13, w2, s2, real) is None
+    p13, f13 = layout.convert_experts_(w13, s13)
+    p2, f2 = layout.convert_experts_(w2, s2)
+
+    def apply(p: selftest.Probe) -> torch.Tensor:
+        return aiter_sim.moe(helpers, p13, f13, p2, f2, p.x, p.topk_weights, p.topk_ids, expert_map,
+                             BETA, LINEAR_BETA, fault)
+    return selftest.run(apply, experts, remote, selftest.Activation(BETA, LINEAR_BETA))
+
+
+def ep_map(global_num: int, local: list[int]) -> torch.Tensor:
+    m = torch.full((global_num,), -1, dtype=torch.int32)
+    m[local] = torch.arange(len(local), dtype=torch.int32)
+    return m
+
+
+def test_a_correct_kernel_passes(helpers):
+    out = run_selftest(helpers)
+    assert out.problem is None, out.line()
+    assert out.worst < selftest.TOL / 3 and out.minus_eight > 0
+
+
+def test_a_correct_kernel_passes_at_a_padded_rank_and_under_ep(helpers):
+    out = run_selftest(helpers, real=64)          # vLLM pads 64 -> 128, like 192 -> 256 at TP 16
+    assert out.problem is None, out.line()
+    emap = ep_map(8, [2, 3, 5, 7])
+    out = run_selftest(helpers, expert_map=emap, global_num=8, real=64)
+    assert out.problem is None, out.line()
+
+
+@pytest.mark.parametrize("fault,named", [
+    ("silu", "computes SiLU"),
+    ("no-linear", "linear_beta"),
+    ("minus8", "decodes int4 code -8 as 8"),
+    ("layout", "matches no known fault"),
+])
+def test_a_faulty_kernel_is_refused_and_named(helpers, fault, named):
+    out = run_selftest(helpers, fault=fault)
+    assert out.problem is not None and named in out.problem, (out.line(), out.problem)
+
+
+def test_a_kernel_computing_remote_experts_is_refused(helpers):
+    out = run_selftest(helpers, fault="remote", expert_map=ep_map(8, [0, 1, 2, 3]), global_num=8)
+    assert out.problem is not None, out.line()
+
+
+def test_padding_as_vllm_leaves_it_is_refused(helpers):
+    """vLLM zeroes padded words (code -8) with scales 1, and aiter's a16wi4 path ignores the padding:
+    without the plugin's neutralization those channels add -8 * x; the self-test sees it."""
+    out = run_selftest(helpers, real=64, neutralize=False)
+    assert out.problem is not None, out.line()
+
+
+def test_minus_eight_fix_is_named(helpers):
+    out = run_selftest(helpers, fault="minus8")
+    assert "--scale-rule optimal-pm7" in out.problem
+
+
+def test_neutralized_padding_is_code_zero_scale_zero():
+    w13, s13, w2, s2 = loaded_layer(2, 64, 64, 32)
+    assert layout.neutralize_padding_(w13, s13, w2, s2, 32) is None
+    codes13, codes2 = layout.ct_words_to_codes(w13), layout.ct_words_to_codes(w2)
+    assert (codes13[:, 32:64] == 0).all() and (codes13[:, 96:] == 0).all() and (codes2[:, :, 32:] == 0).all()
+    assert (s13[:, 32:64] == 0).all() and (s13[:, 96:] == 0).all() and (s2[:, :, 1:] == 0).all()
+    assert (codes13[:, :32] != 0).any() and (s13[:, :32] != 0).all()     # real channels untouched
+
+
+def test_padding_that_holds_data_is_refused():
+    w13, s13, w2, s2 = loaded_layer(2, 64, 64, 64)     # every channel loaded
+    assert "hold loaded data" in layout.neutralize_padding_(w13, s13, w2, s2, 32)
+    assert "multiple of 32" in layout.neutralize_padding_(w13, s13, w2, s2, 48)
+
+
+@pytest.mark.parametrize("tp,rank,want", [(8, 7, 384), (16, 0, 192), (16, 15, 192), (24, 23, 128),
+                                          (32, 31, 96), (48, 47, 64), (1, 0, 3072)])
+def test_real_channels_follow_vllms_loader(tp, rank, want):
+    """K3's 3072 over vLLM's MoE TP ranks (routed_experts.py _load_w13/_load_w2 split the unpadded size)."""
+    assert route.real_channels(3072, tp, rank) == want
+
+
+def test_selftest_switch():
+    assert selftest.enabled()
+    os.environ[selftest.ENV] = "0"
+    try:
+        assert not selftest.enabled()
+    finally:
+        del os.environ[selftest.ENV]
