@@ -59,7 +59,13 @@ ROLE = {name: role for names in SCHEMES.values() for name, role in zip(names, ("
 _EXPERT = re.compile(r"^(?P<layer>.*\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
 # the experts' module class each server matches class-name targets against ("Linear" is mapped onto it)
 MOE_CLASS = {"vllm": "RoutedExperts", "sglang": "FusedMoE"}
-KIMI_MIN_INTER_PER_RANK = 256    # vLLM's KimiMoE pads the per-rank intermediate up to this at TP > 1
+# vLLM's KimiMoE pads the per-rank intermediate up to this at TP > 1, unless config.json says otherwise
+# (models/kimi_k3/amd/linear.py 227-236, nvidia/model.py 419-428: getattr(config, KIMI_MIN_KEY, 256))
+KIMI_MIN_INTER_PER_RANK = 256
+KIMI_MIN_KEY = "min_moe_intermediate_per_partition"
+KIMI_PAD_WHERE = ("vllm 0.33.0 models/kimi_k3/amd/linear.py 227-236 and 349-357, nvidia/model.py 419-428 and "
+                  "571-584: the padded int4 words are zeroed (code -8) and their scales left at 1 "
+                  "(compressed_tensors_moe_wna16.py 282, 298)")
 # activations vLLM's WNA16 kernels take: TritonWNA16Experts' allow-list, and apply_moe_activation's
 TRITON_ACTS = frozenset({"silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep",
                          "silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul"})
@@ -544,10 +550,10 @@ class Memory:
 
 
 def expert_memory(mats: list["_Matrix"], sizes: Mapping[str, tuple[int, int]], tp: int,
-                  kimi_pad: bool = False) -> Memory:
+                  kimi_pad: int = 0) -> Memory:
     """From the headers: each MoE layer's expert tensors, split over ``tp`` along the intermediate
     dim (all experts on every rank). ``kimi_pad``: vLLM's KimiMoE pads the per-rank intermediate
-    up to 256 at TP > 1 (models/kimi_k3/amd/linear.py 227-236), and the padding is stored too."""
+    up to this at TP > 1 (models/kimi_k3/amd/linear.py 227-236), and the padding is stored too."""
     int4, bf16 = 0.0, 0.0
     for m in mats:
         p = m.expert
@@ -555,7 +561,7 @@ def expert_memory(mats: list["_Matrix"], sizes: Mapping[str, tuple[int, int]], t
         if p is None or p[0] not in sizes or shape is None:
             continue
         inter = sizes[p[0]][0]
-        share = (_vllm_kimi_per_rank(inter, tp) if kimi_pad else inter / tp) / inter
+        share = (_vllm_kimi_per_rank(inter, tp, kimi_pad) if kimi_pad else inter / tp) / inter
         int4 += (_nbytes(m.packed) + (_nbytes(m.scale) if m.scale is not None else 0)) * share
         bf16 += shape[0] * shape[1] * 2 * share
     return Memory(round(int4), round(bf16), len(sizes))
@@ -582,21 +588,31 @@ def kernel(server: str, config: dict | None, mats: list["_Matrix"], sizes: Mappi
     srv = SERVER_INFO[server]
     act = activation(config)
     name = act["hidden_act"]
-    kimi = bool(_model_types(config) & set(W123_MODELS))
-    mem = expert_memory(mats, sizes, tp, kimi_pad=kimi and srv.family == "vllm")
+    kimi_min = kimi_min_per_rank(config) if srv.family == "vllm" else 0
+    mem = expert_memory(mats, sizes, tp, kimi_pad=kimi_min)
     int4 = f"{mem.int4 / 1e9:.3g} GB per rank of int4 experts at --tp {tp}"
     if name == "situ" and act.get("activation_situ_beta") is None:
         return Verdict(f"{srv.method}: SiTU", "hidden_act is situ but activation_situ_beta is missing: vLLM's "
                                               "SiTU asserts it (fused_moe/activation.py 361-370), SGLang's SituAndMul "
                                               "needs it")
     if server == "vllm-rocm-plugin":
-        return _plugin(config, act, mem, tp, int4, sizes)
+        return _plugin(config, act, mem, tp, int4, sizes, kimi_min)
     if server == "vllm-rocm":
         return _vllm_oracle(srv, name, mem, tp, int4, marlin=False)
     if server == "vllm-cuda":
         hidden_ok = all(h % 128 == 0 for _, h in sizes.values())
         inter_ok = all((i // tp) % GROUP == 0 for i, _ in sizes.values())
-        return _vllm_oracle(srv, name, mem, tp, int4, marlin=hidden_ok and inter_ok)
+        verdict = _vllm_oracle(srv, name, mem, tp, int4, marlin=hidden_ok and inter_ok)
+        padded = kimi_padding(sizes, tp, kimi_min)
+        if verdict.problem is None and padded:
+            layer, (per, pad) = padded[0]
+            fits = ", ".join(str(t) for t in fitting_tp(sizes[layer][0]) if not kimi_padding(sizes, t, kimi_min))
+            return Verdict(f"{verdict.summary.split(':')[0]}: padded channels decode as -8",
+                           f"vLLM's KimiMoE pads the per-rank intermediate size {per} to {pad} at --tp {tp} "
+                           f"({KIMI_PAD_WHERE}) and Marlin computes every padded channel (fused_moe/oracle/"
+                           f"int_wna16.py 651-659 pads further with zero scales but masks nothing): each padded "
+                           f"channel adds -8 * x; TP sizes without padding: {fits or 'none'}")
+        return verdict
     line = "558" if server == "sglang-rocm" else "454 (Marlin), 558 (Triton)"
     if name != "silu":
         return Verdict(f"{srv.method}: asserts silu",
@@ -624,13 +640,34 @@ def _vllm_oracle(srv: Server, act: str, mem: Memory, tp: int, int4: str, marlin:
                    f"bf16 dequantization at load, {mem.text(tp)}")
 
 
-def _vllm_kimi_per_rank(inter: int, tp: int) -> int:
-    """vLLM KimiMoE's per-rank intermediate size: I / tp, padded up to 256 at TP > 1."""
-    return max(inter // tp, KIMI_MIN_INTER_PER_RANK) if tp > 1 else inter
+def kimi_min_per_rank(config: dict | None) -> int:
+    """vLLM KimiMoE's minimum per-rank intermediate size for a Kimi checkpoint, 0 for other models."""
+    if not _model_types(config) & set(W123_MODELS):
+        return 0
+    text = (config or {}).get("text_config") or config or {}
+    value = text.get(KIMI_MIN_KEY, (config or {}).get(KIMI_MIN_KEY, KIMI_MIN_INTER_PER_RANK))
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else KIMI_MIN_INTER_PER_RANK
+
+
+def _vllm_kimi_per_rank(inter: int, tp: int, minimum: int = KIMI_MIN_INTER_PER_RANK) -> int:
+    """vLLM KimiMoE's per-rank intermediate size: I / tp, padded up to ``minimum`` at TP > 1."""
+    return max(inter // tp, minimum) if tp > 1 else inter
+
+
+def kimi_padding(sizes: Mapping[str, tuple[int, int]], tp: int, minimum: int) -> list[tuple[str, tuple[int, int]]]:
+    """(layer, (real per-rank intermediate, padded)) for every MoE layer vLLM's KimiMoE pads at ``tp``."""
+    if not minimum:
+        return []
+    out = []
+    for layer, (inter, _) in sorted(sizes.items()):
+        pad = _vllm_kimi_per_rank(inter, tp, minimum)
+        if pad != inter // tp and tp > 1:
+            out.append((layer, (inter // tp, pad)))
+    return out
 
 
 def _plugin(config: dict | None, act: dict, mem: Memory, tp: int, int4: str,
-            sizes: Mapping[str, tuple[int, int]]) -> Verdict:
+            sizes: Mapping[str, tuple[int, int]], kimi_min: int) -> Verdict:
     """The plugin's own decision (converter/vllm_plugin/route.py) on a gfx942 machine with AITER MoE on,
     vLLM 0.33 and an aiter whose a16w4 stage-1 takes SiTUv2; stock vLLM decides when it stays out."""
     srv = SERVER_INFO["vllm-rocm-plugin"]
@@ -649,15 +686,22 @@ def _plugin(config: dict | None, act: dict, mem: Memory, tp: int, int4: str,
         stock = _vllm_oracle(SERVER_INFO["vllm-rocm"], act["hidden_act"], mem, tp, int4, marlin=False)
         return Verdict(f"plugin stays out, stock vLLM: {stock.summary}", stock.problem)
     for layer, (inter, hidden) in sorted(sizes.items()):
-        per_rank = _vllm_kimi_per_rank(inter, tp)
+        per_rank = _vllm_kimi_per_rank(inter, tp, kimi_min) if kimi_min else inter // tp
         why = plugin_route.size_problem(hidden, per_rank)
         if why:
             return Verdict(f"{srv.method}: refused at load",
                            f"{plugin_route.PREFIX} {layer}: {why} at --tp {tp}: the plugin refuses sizes its "
                            f"kernel would pad (converter/vllm_plugin/moe_method.py maybe_roundup_sizes)")
+    padded = kimi_padding(sizes, tp, kimi_min)
+    pad_note = ""
+    if padded:
+        per, pad = padded[0][1]
+        pad_note = (f"; vLLM pads the per-rank intermediate size {per} to {pad} ({KIMI_PAD_WHERE}), and the plugin "
+                    f"writes the {pad - per} padded channels as code 0 with scale 0 (layout.neutralize_padding_): "
+                    f"they add exactly zero")
     return Verdict(f"{srv.method}: AITER a16w4 (flydsl_a16w4_gemm1) with Situv2 beta "
                    f"{act.get('activation_situ_beta')} linear_beta {act.get('activation_situ_linear_beta')}, "
-                   f"no dequantization: {int4}")
+                   f"no dequantization: {int4}{pad_note}")
 
 
 # ------------------------------------------------------------------------ for `verify`
