@@ -59,18 +59,14 @@ ROLE = {name: role for names in SCHEMES.values() for name, role in zip(names, ("
 _EXPERT = re.compile(r"^(?P<layer>.*\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
 # the experts' module class each server matches class-name targets against ("Linear" is mapped onto it)
 MOE_CLASS = {"vllm": "RoutedExperts", "sglang": "FusedMoE"}
-# vLLM's KimiMoE pads the per-rank intermediate up to this at TP > 1, unless config.json says otherwise
-# (models/kimi_k3/amd/linear.py 227-236, nvidia/model.py 419-428: getattr(config, KIMI_MIN_KEY, 256))
-KIMI_MIN_INTER_PER_RANK = 256
-KIMI_MIN_KEY = "min_moe_intermediate_per_partition"
 KIMI_PAD_WHERE = ("vllm 0.33.0 models/kimi_k3/amd/linear.py 227-236 and 349-357, nvidia/model.py 419-428 and "
-                  "571-584: the padded int4 words are zeroed (code -8) and their scales left at 1 "
-                  "(compressed_tensors_moe_wna16.py 282, 298)")
+                  "571-584")
 # activations vLLM's WNA16 kernels take: TritonWNA16Experts' allow-list, and apply_moe_activation's
 TRITON_ACTS = frozenset({"silu", "gelu", "gelu_tanh", "swigluoai", "swigluoai_uninterleave", "swiglustep",
                          "silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul", "relu2_no_mul"})
 APPLY_ACTS = TRITON_ACTS | {"situ"}
 
+SERVED_VLLM = "0.33.0"            # the vLLM release the vllm-* rules were read from
 V = "vllm 0.33.0 "
 V_CT = V + "compressed_tensors/compressed_tensors.py"
 V_MOE = V + "compressed_tensors_moe.py get_moe_method"
@@ -561,7 +557,7 @@ def expert_memory(mats: list["_Matrix"], sizes: Mapping[str, tuple[int, int]], t
         if p is None or p[0] not in sizes or shape is None:
             continue
         inter = sizes[p[0]][0]
-        share = (_vllm_kimi_per_rank(inter, tp, kimi_pad) if kimi_pad else inter / tp) / inter
+        share = (plugin_route.kimi_per_rank(inter, tp, kimi_pad) if kimi_pad else inter / tp) / inter
         int4 += (_nbytes(m.packed) + (_nbytes(m.scale) if m.scale is not None else 0)) * share
         bf16 += shape[0] * shape[1] * 2 * share
     return Memory(round(int4), round(bf16), len(sizes))
@@ -607,11 +603,13 @@ def kernel(server: str, config: dict | None, mats: list["_Matrix"], sizes: Mappi
         if verdict.problem is None and padded:
             layer, (per, pad) = padded[0]
             fits = ", ".join(str(t) for t in fitting_tp(sizes[layer][0]) if not kimi_padding(sizes, t, kimi_min))
-            return Verdict(f"{verdict.summary.split(':')[0]}: padded channels decode as -8",
+            return Verdict(f"{verdict.summary.split(':')[0]}: padded channels hold garbage",
                            f"vLLM's KimiMoE pads the per-rank intermediate size {per} to {pad} at --tp {tp} "
-                           f"({KIMI_PAD_WHERE}) and Marlin computes every padded channel (fused_moe/oracle/"
-                           f"int_wna16.py 651-659 pads further with zero scales but masks nothing): each padded "
-                           f"channel adds -8 * x; TP sizes without padding: {fits or 'none'}")
+                           f"({KIMI_PAD_WHERE}): its zeroing looks the int4 words up on the MoE runner, finds "
+                           f"none and zeroes nothing, so the padded words stay as torch.empty left them "
+                           f"(compressed_tensors_moe_wna16.py 183-207) with scales of 1 (282, 298), and Marlin "
+                           f"computes every padded channel (fused_moe/oracle/int_wna16.py 651-659 masks nothing); "
+                           f"TP sizes without padding: {fits or 'none'}")
         return verdict
     line = "558" if server == "sglang-rocm" else "454 (Marlin), 558 (Triton)"
     if name != "silu":
@@ -644,14 +642,7 @@ def kimi_min_per_rank(config: dict | None) -> int:
     """vLLM KimiMoE's minimum per-rank intermediate size for a Kimi checkpoint, 0 for other models."""
     if not _model_types(config) & set(W123_MODELS):
         return 0
-    text = (config or {}).get("text_config") or config or {}
-    value = text.get(KIMI_MIN_KEY, (config or {}).get(KIMI_MIN_KEY, KIMI_MIN_INTER_PER_RANK))
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else KIMI_MIN_INTER_PER_RANK
-
-
-def _vllm_kimi_per_rank(inter: int, tp: int, minimum: int = KIMI_MIN_INTER_PER_RANK) -> int:
-    """vLLM KimiMoE's per-rank intermediate size: I / tp, padded up to ``minimum`` at TP > 1."""
-    return max(inter // tp, minimum) if tp > 1 else inter
+    return plugin_route.kimi_min_per_rank(plugin_route.text_config(config or {}))
 
 
 def kimi_padding(sizes: Mapping[str, tuple[int, int]], tp: int, minimum: int) -> list[tuple[str, tuple[int, int]]]:
@@ -660,7 +651,7 @@ def kimi_padding(sizes: Mapping[str, tuple[int, int]], tp: int, minimum: int) ->
         return []
     out = []
     for layer, (inter, _) in sorted(sizes.items()):
-        pad = _vllm_kimi_per_rank(inter, tp, minimum)
+        pad = plugin_route.kimi_per_rank(inter, tp, minimum)
         if pad != inter // tp and tp > 1:
             out.append((layer, (inter // tp, pad)))
     return out
@@ -676,7 +667,7 @@ def _plugin(config: dict | None, act: dict, mem: Memory, tp: int, int4: str,
     def gemm1(*args, act=None, situ_beta=None, situ_linear_beta=None, **kw):   # the aiter the server needs
         raise NotImplementedError
 
-    machine = plugin_route.Machine(is_rocm=True, on_gfx942=True, aiter_moe_enabled=True, vllm_version="0.33.0",
+    machine = plugin_route.Machine(is_rocm=True, on_gfx942=True, aiter_moe_enabled=True, vllm_version=SERVED_VLLM,
                                    gemm1=gemm1)
     try:
         name = plugin_route.decide(blocks[0] if blocks else None, None, config or {}, machine)
@@ -686,22 +677,18 @@ def _plugin(config: dict | None, act: dict, mem: Memory, tp: int, int4: str,
         stock = _vllm_oracle(SERVER_INFO["vllm-rocm"], act["hidden_act"], mem, tp, int4, marlin=False)
         return Verdict(f"plugin stays out, stock vLLM: {stock.summary}", stock.problem)
     for layer, (inter, hidden) in sorted(sizes.items()):
-        per_rank = _vllm_kimi_per_rank(inter, tp, kimi_min) if kimi_min else inter // tp
-        why = plugin_route.size_problem(hidden, per_rank)
-        if why:
+        splits = inter % tp == 0 and (inter // tp) % GROUP == 0     # else rule tp-intermediate says it
+        if kimi_min and splits and (why := plugin_route.padding_refusal(inter, tp, kimi_min, SERVED_VLLM)):
+            return Verdict(f"{srv.method}: refused at load", f"{plugin_route.PREFIX} {layer}: {why} "
+                                                             f"(converter/vllm_plugin/moe_method.py create_weights)")
+        per_rank = plugin_route.kimi_per_rank(inter, tp, kimi_min) if kimi_min else inter // tp
+        if why := plugin_route.size_problem(hidden, per_rank):
             return Verdict(f"{srv.method}: refused at load",
                            f"{plugin_route.PREFIX} {layer}: {why} at --tp {tp}: the plugin refuses sizes its "
                            f"kernel would pad (converter/vllm_plugin/moe_method.py maybe_roundup_sizes)")
-    padded = kimi_padding(sizes, tp, kimi_min)
-    pad_note = ""
-    if padded:
-        per, pad = padded[0][1]
-        pad_note = (f"; vLLM pads the per-rank intermediate size {per} to {pad} ({KIMI_PAD_WHERE}), and the plugin "
-                    f"writes the {pad - per} padded channels as code 0 with scale 0 (layout.neutralize_padding_): "
-                    f"they add exactly zero")
     return Verdict(f"{srv.method}: AITER a16w4 (flydsl_a16w4_gemm1) with Situv2 beta "
                    f"{act.get('activation_situ_beta')} linear_beta {act.get('activation_situ_linear_beta')}, "
-                   f"no dequantization: {int4}{pad_note}")
+                   f"no dequantization: {int4}")
 
 
 # ------------------------------------------------------------------------ for `verify`

@@ -101,9 +101,18 @@ def glu_bf16(h13: torch.Tensor, beta: float, linear_beta: float | None, fault: s
 
 
 def moe(helpers: Helpers, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-        x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
+        x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_mask: torch.Tensor | None,
         beta: float, linear_beta: float | None, fault: str = "") -> torch.Tensor:
-    """The simulated kernel: bf16 in, bf16 stages, bf16 out; w13 [E, 2I, H/2], w2 [E, H, I/2] packed."""
+    """The simulated kernel: bf16 in, bf16 stages, bf16 out; w13 [E, 2I, H/2], w2 [E, H, I/2] packed.
+
+    ``expert_mask`` is what vLLM hands AITER under expert parallelism (RoutedExperts.expert_map for a
+    kernel that consumes_expert_mask: 1 for this rank's experts over the global ids, local experts in
+    id order); None: every expert is local.
+    """
+    expert_map = None
+    if expert_mask is not None:
+        m = expert_mask.view(-1).to(torch.int64).cpu()
+        expert_map = torch.where(m > 0, m.cumsum(0) - 1, torch.full_like(m, -1))
     e, n13, h2 = w13.shape
     hidden, inter = w2.shape[1], n13 // 2
     W13 = helpers.decode(w13, s13, n13, h2 * 2, fault)

@@ -73,8 +73,10 @@ def run_selftest(helpers, fault: str = "", e: int = 4, hidden: int = 128, inter:
     p13, f13 = layout.convert_experts_(w13, s13)
     p2, f2 = layout.convert_experts_(w2, s2)
 
-    def apply(p: selftest.Probe) -> torch.Tensor:
-        return aiter_sim.moe(helpers, p13, f13, p2, f2, p.x, p.topk_weights, p.topk_ids, expert_map,
+    mask = None if expert_map is None else torch.cat(((expert_map >= 0).int(), torch.zeros(1, dtype=torch.int32)))
+
+    def apply(p: selftest.Probe) -> torch.Tensor:      # AITER gets vLLM's 0/1 expert mask, not the map
+        return aiter_sim.moe(helpers, p13, f13, p2, f2, p.x, p.topk_weights, p.topk_ids, mask,
                              BETA, LINEAR_BETA, fault)
     return selftest.run(apply, experts, remote, selftest.Activation(BETA, LINEAR_BETA))
 

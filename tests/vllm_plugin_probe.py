@@ -160,6 +160,11 @@ def method(rocm_aiter_ops) -> dict:
                                 moe_parallel_config=types.SimpleNamespace(tp_size=1, tp_rank=0,
                                                                           use_all2all_kernels=False))
     os.environ["K3CONVERT_SELFTEST"] = "0"   # the kernel build is recorded, not run: nothing to test here
+    import vllm.config
+    import vllm.distributed
+    vllm.config.get_current_vllm_config = lambda: types.SimpleNamespace(   # an unpadded TP 1 layer
+        model_config=types.SimpleNamespace(hf_text_config=types.SimpleNamespace(moe_intermediate_size=64)))
+    vllm.distributed.get_tensor_model_parallel_world_size = lambda: 1
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
     m = moe_method.K3Int4AiterMoEMethod(args, moe, "model.layers.1.block_sparse_moe.experts")
     layer = torch.nn.Module()

@@ -61,11 +61,27 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra: Any) -> None:
         """vLLM's WNA16 create_weights, with the weight loader watched for the checkpoint's own
         intermediate size (what tells real channels from the padding vLLM's KimiMoE adds)."""
+        self._refuse_padding_vllm_cannot_build()
         loader = extra.get("weight_loader")
         if loader is not None:
             extra["weight_loader"] = self._watching(loader)
         CompressedTensorsWNA16MoEMethod.create_weights(
             self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra)
+
+    def _refuse_padding_vllm_cannot_build(self) -> None:
+        """One line instead of the AttributeError vLLM 0.33.0's KimiMoE raises right after this layer
+        is built when it pads it (route.PADDING_CRASHES)."""
+        import vllm
+        from vllm.config import get_current_vllm_config
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        text = get_current_vllm_config().model_config.hf_text_config
+        inter = getattr(text, "moe_intermediate_size", None)
+        if isinstance(inter, int):
+            why = route.padding_refusal(inter, get_tensor_model_parallel_world_size(),
+                                        route.kimi_min_per_rank(text), getattr(vllm, "__version__", ""))
+            if why:
+                raise route.Refused(f"{self.prefix}: {why}")
 
     def _watching(self, loader):
         def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id, *args, **kwargs):

