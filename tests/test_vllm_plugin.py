@@ -466,3 +466,30 @@ def test_real_vllm_scheme_lookup_for_the_experts(real_vllm):
     assert out["g128"].startswith("k3convert vLLM plugin: language_model.model.layers.1.block_sparse_moe.experts:")
     assert "expected group 32" in out["g128"]
     assert out["ignored"] is None and out["int8"] is None
+
+
+def test_register_under_another_vllm_layout_refuses_k3_int4_on_rocm(monkeypatch):
+    """If the plugin's config cannot import under some vLLM, register() still registers a config that
+    refuses K3 int4 SiTU on ROCm, naming the import error, instead of letting stock vLLM serve it."""
+    import converter.vllm_plugin as plugin
+
+    registered = {}
+    quant_mod = types.ModuleType("vllm.model_executor.layers.quantization")
+    quant_mod.QUANTIZATION_METHODS = []
+    quant_mod.register_quantization_config = lambda name: (lambda cls: registered.setdefault(name, cls))
+    base = types.ModuleType("vllm.model_executor.layers.quantization.base_config")
+    base.QuantizationConfig = type("QuantizationConfig", (), {})
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_rocm=lambda: True)
+    for name, mod in (("vllm", types.ModuleType("vllm")), ("vllm.model_executor.layers.quantization", quant_mod),
+                      ("vllm.model_executor.layers.quantization.base_config", base), ("vllm.platforms", platforms),
+                      ("converter.vllm_plugin.vllm_config", None)):     # None: importing it raises ImportError
+        monkeypatch.setitem(sys.modules, name, mod)
+    plugin.register()
+    cls = registered[route.NAME]
+    quant, cfg = k3()
+    with pytest.raises(route.Refused, match=r"cannot load under this vLLM \(ModuleNotFoundError: import of converter.vllm_plugin.vllm_config"):
+        cls.override_quantization_method(quant, None, hf_config=cfg)
+    assert cls.override_quantization_method(quant, None, hf_config={"model_type": "mixtral"}) is None
+    platforms.current_platform.is_rocm = lambda: False
+    assert cls.override_quantization_method(quant, None, hf_config=cfg) is None

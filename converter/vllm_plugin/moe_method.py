@@ -218,8 +218,13 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
         act = selftest.Activation(float(self.moe.activation_situ_beta),
                                   None if self.moe.activation_situ_linear_beta is None
                                   else float(self.moe.activation_situ_linear_beta))
-        out = selftest.run(lambda p: self.apply(layer, p.x, p.topk_weights, p.topk_ids, None, None),
-                           experts, remote, act)
+        try:
+            out = selftest.run(lambda p: self.apply(layer, p.x, p.topk_weights, p.topk_ids, None, None),
+                               experts, remote, act)
+        except Exception as exc:  # noqa: BLE001 - the kernel could not even run: not served unseen
+            raise route.Refused(f"{self.prefix}: the kernel self-test could not run the layer's kernel "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                f"not serving ({selftest.ENV}=0 skips the test at your own risk)") from exc
         if out.problem is not None:
             raise route.Refused(f"{self.prefix}: the kernel self-test failed ({out.line()}): {out.problem}; "
                                 f"not serving ({selftest.ENV}=0 skips the test at your own risk)")
