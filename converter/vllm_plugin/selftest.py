@@ -182,11 +182,13 @@ def diagnose(probe: Probe, got: torch.Tensor, experts: Mapping[int, Expert], act
              n_minus8: int) -> str:
     """Name the fault: the alternative reference the kernel's output matches, if any."""
     candidates: list[tuple[str, Activation, float]] = [
-        ("it computes SiLU, not K3's SiTU: the installed aiter's int4 stage 1 ignores the activation",
+        ("it computes SiLU, not K3's SiTU: the installed aiter's int4 stage 1 ignores the activation; install "
+         "an aiter whose packed-int4 stage 1 applies it (ROCm/aiter 4bbc57db1a, #4646, or later)",
          Activation(act.beta, act.linear_beta, "silu"), -8.0),
     ]
     if act.linear_beta is not None:
-        candidates.append(("it ignores SiTU's linear_beta (the up projection is not clipped)",
+        candidates.append(("it ignores SiTU's linear_beta (the up projection is not clipped); install an aiter "
+                           "whose flydsl_a16w4_gemm1 applies situ_linear_beta",
                            Activation(act.beta, None), -8.0))
     if n_minus8:
         for value in (0.0, 8.0):
@@ -199,7 +201,7 @@ def diagnose(probe: Probe, got: torch.Tensor, experts: Mapping[int, Expert], act
     if found:
         return "; ".join(found)
     return ("matches no known fault (a layout this plugin does not write, padded channels that are not "
-            "zero, or remote experts computed locally)")
+            "zero, or remote experts computed locally); please report it with this line")
 
 
 def run(apply: Callable[[Probe], torch.Tensor], experts: Mapping[int, Expert], remote: list[int],
