@@ -712,6 +712,7 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
     c.summary = (f"{len(names)} of {len(rows)} tensor(s) from the source bytes; largest deviation from the "
                  f"table {worst_dev:.1e} (limit {REL_TOL:g}); int4 read by {result.decoder}")
     opt.summary = f"{opt_groups} group(s) of {min(len(names), OPT_TENSORS)} tensor(s) vs every bf16 scale" \
+        + (f" (codes [{OPTIMA[rule]}, 7]; no -8 in {len(names)} tensor(s))" if OPTIMA[rule] > -8 else "") \
         if rule in OPTIMA else f"{opt_groups} group(s) of {len(names)} tensor(s) byte-identical to the {rule} rule " \
         "(quant/server_rule.py) applied to the source bytes"
     if not names:
