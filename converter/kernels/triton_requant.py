@@ -4,7 +4,9 @@
 ``converter.quant.requant.requantize`` computes (same int4 bytes, same bf16 scale bits;
 per-tensor stats equal up to float64 summation order, max_abs and the counts exactly), for
 a whole batch of tensors in one launch, on the tensors' device (CUDA, ROCm, or the Triton
-interpreter on CPU with ``TRITON_INTERPRET=1``). Plain Triton only: no inline asm, no
+interpreter on CPU with ``TRITON_INTERPRET=1``); ``qmin=-7`` (``--scale-rule optimal-pm7``) runs
+the same kernel on the [-7, 7] range's tables, whose sizes and bounds ``_build_tables`` asserts
+alike (149 level-6/7 candidates, 13 low ones). Plain Triton only: no inline asm, no
 libdevice, so the same source builds for NVIDIA and for AMD gfx942 (compiled, not run).
 
 How a group is searched (SPEC §5; the bounds used are asserted in ``_build_tables``)
