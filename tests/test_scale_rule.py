@@ -22,6 +22,7 @@ from interpreted import run_interpreted
 
 from converter.pipeline import Options
 from converter.quant import cpu_kernel, server_rule
+from converter.quant.rules import optimum_qmin
 from converter.verify import verify
 
 MXFP4_LIST = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -375,7 +376,7 @@ def test_comparison_pass_gives_the_fused_figures(both, tmp_path, rule):
     src, out = both
     sp = max(build_plan(src).shards, key=lambda s: len(s.converts))
     figs, digests = {}, {}
-    qmin = {"optimal-pm7": -7}.get(rule, -8)
+    qmin = optimum_qmin(rule)
     for name, opt, srv in (("fused", functools.partial(cpu_kernel.requantize, qmin=qmin), cpu_kernel.server_requantize),
                            ("pass", functools.partial(requant.requantize, qmin=qmin), server_rule.requantize)):
         d = tmp_path / name

@@ -20,7 +20,7 @@ E2M1_VALUES = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     dtype=np.float64,
 )
-QMIN, QMAX = -8, 7  # the format's code range; ``--scale-rule optimal-pm7`` searches [-7, 7] (rules.QMIN)
+QMIN, QMAX = -8, 7  # the format's code range; ``--scale-rule optimal-pm7`` searches [-7, 7] (rules.OPTIMA)
 GROUP = 32
 E8M0_NAN = 255
 
