@@ -149,8 +149,9 @@ def main() -> None:
               help="Convert a source that also quantizes activations (or KV cache) to weight-only int4; "
                    "what is dropped is recorded in the manifest and report.")
 @click.option("--scale-rule", type=click.Choice(list(SCALE_RULES)), default="optimal", show_default=True,
-              help="optimal: the exact least-squares int4 per group; vllm-gfx942: bit-identical to what vLLM 0.33 "
-                   "computes at load time on gfx942 (aiter per_1x32_i4_quant; README: Which scale rule).")
+              help="optimal: the exact least-squares int4 per group; optimal-pm7: the same over codes [-7, 7] "
+                   "(no -8: for AITER on MI300X/MI325X until the plugin's self-test passes); vllm-gfx942: "
+                   "bit-identical to what vLLM 0.33 computes at load time on gfx942 (aiter per_1x32_i4_quant; README: Which scale rule).")
 @click.option("--dry-run", is_flag=True, help="Check everything, print the plan, convert nothing.")
 @click.option("--progress", type=click.Choice(["bar", "json", "none"]), default="bar", show_default=True,
               help="json: one JSON line per event on stderr, for schedulers and log collectors.")

@@ -31,7 +31,7 @@ from .manifest import (LOCKS, MANIFEST, MANIFEST_LOCK, REPORT, RUN_LOCK, STATE_D
                        stage, stage_copy, state_file, write_json, write_rows)
 from .plan import TEMPORARY, Plan, ShardPlan, build_plan, side_file_target
 from .safepath import contains, dest_file, lock_file
-from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, RULES as SCALE_RULES, recorded_rule
+from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, OPTIMA, RULES as SCALE_RULES, recorded_rule
 from .validate import TensorFigures, error_ratio, layer_summary, mean, ratio_line
 from .workers import Task, Workers, cpu_workers, raise_error
 
@@ -51,7 +51,7 @@ class Options:
     profile: str | None = None        # model profile name or file [default: chosen from config.json]
     drop_activation_quant: bool = False  # convert a source that also quantizes activations, weight-only
     inline: bool | None = None        # one worker in this process [default: when torch is imported here]
-    scale_rule: str = SCALE_RULE_DEFAULT  # --scale-rule: optimal | vllm-gfx942 (quant/rules.py)
+    scale_rule: str = SCALE_RULE_DEFAULT  # --scale-rule: optimal | optimal-pm7 | vllm-gfx942 (quant/rules.py)
 
     def identity(self) -> dict[str, Any]:
         """What must match for a run to continue (or share) a previous one's DST."""
@@ -547,7 +547,7 @@ def _rule_record(rule: str, figs: list[TensorFigures]) -> dict[str, Any]:
     """The report's scale rule and the other rule's figures on the same weights (docs/maths.md)."""
     cmp = [r.cmp_rel_rmse for r in figs if r.cmp_rel_rmse is not None]
     ratio = error_ratio(figs)
-    return {"scale_rule": rule, "compare_rule": "optimal" if rule != "optimal" else "vllm-gfx942",
+    return {"scale_rule": rule, "compare_rule": "optimal" if rule not in OPTIMA else "vllm-gfx942",
             "cmp_rel_rmse_mean": mean(cmp) if cmp else None, "cmp_ratio": ratio,
             "compare": ratio_line(ratio, rule)}
 

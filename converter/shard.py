@@ -29,7 +29,7 @@ from .formats.safetensors_io import ShardWriter
 from .plan import Convert, ShardPlan
 from .safepath import open_regular
 from .quant.requant import STAT_FIELDS, Result
-from .quant.rules import RULES
+from .quant.rules import OPTIMA, RULES
 from .validate import TensorFigures, figures, output_error, probe
 
 COPY_PIECE = 16 << 20
@@ -176,7 +176,9 @@ class ShardConverter:
         if server is None:
             from .kernels import server_requantizer
             server = server_requantizer(str(self.device))
+        # requantize: the optimum of the rule (optimal, optimal-pm7), or for vllm-gfx942 the default one
         self.rule, self.server, self._scratch_buf = rule, server, None  # server: the vllm-gfx942 rule's kernel
+        self.optimum = rule in OPTIMA  # the rule written is an exact optimum; its comparison, the server rule
         self.batch_groups, self.sample, self.scale_shift = batch_groups, sample, scale_shift % 256
         self.readers, self.writers = readers, writers
         self.pin = self.device.type == "cuda"
@@ -228,7 +230,7 @@ class ShardConverter:
         groups = offsets[-1]
         out_packed, out_scales = out_buf[0][:groups], out_buf[1][:groups].view(torch.bfloat16)
         # the rule written, and the other one whose figures the report sets beside ours
-        write, other = (self.requantize, self.server) if self.rule == "optimal" else (self.server, self.requantize)
+        write, other = (self.requantize, self.server) if self.optimum else (self.server, self.requantize)
         if dev.type == "cpu":
             packed, scales = batch.packed, batch.scales
             res = write(packed, scales, offsets, out=(out_packed, out_scales))
@@ -239,7 +241,7 @@ class ShardConverter:
             out_packed.copy_(res.packed, non_blocking=True)
             out_scales.copy_(res.scales, non_blocking=True)
         cmp = None  # the other rule over the batch, unless the kernel gave its error on the way (numba)
-        if self.rule != "optimal" or res.server_err2 is None:
+        if not self.optimum or res.server_err2 is None:
             with stages.time("compare"):
                 cmp = other(packed, scales, offsets, **({"out": self._scratch(groups)} if dev.type == "cpu" else {}))
         with stages.time("compute_sync"):
@@ -260,14 +262,14 @@ class ShardConverter:
             lo, hi = offsets[i], offsets[i + 1]
             st = stats[i]
             if st[oor_col]:
-                why = ("E8M0 exponent too close to 0 or 254" if self.rule == "optimal" else
+                why = ("E8M0 exponent too close to 0 or 254" if self.optimum else
                        "the server's rule dequantizes them to inf: E8M0 exponent 253 or 254")
                 raise BadInput(f"{int(st[oor_col])} group(s) need an int4 scale outside bf16's normal range "
                                f"({why})", file=c.scale.path, tensor=c.scale.name)
             if cmp is None:
                 cmp_err2 = server_err2[i]
             elif cmp_stats[i][oor_col]:  # the other rule cannot write this tensor
-                cmp_err2 = math.inf if self.rule == "optimal" else None
+                cmp_err2 = math.inf if self.optimum else None
             else:
                 cmp_err2 = cmp_stats[i][0]
             out_rel = cmp_out = None

@@ -27,7 +27,7 @@ from .formats.json_input import ListOf, MapOf, Nullable, type_problems
 from .manifest import MANIFEST, REPORT, TENSOR_TABLE, read_json, read_rows
 from .safepath import plain_name
 from .plan import PACKED, SCALE, SHAPE
-from .quant.rules import RULE_KEY, RULES as SCALE_RULES, recorded_rule
+from .quant.rules import OPTIMA, RULE_KEY, RULES as SCALE_RULES, recorded_rule
 from .serving import serving_check
 from .validate import error_ratio, ratio_line
 
@@ -551,8 +551,9 @@ def _all_bf16_scales() -> torch.Tensor:
     return _ALL_BF16
 
 
-def brute_force_min(values: torch.Tensor) -> torch.Tensor:
-    """Least squared error of each group [G, 32] over every positive normal bf16 scale S.
+def brute_force_min(values: torch.Tensor, qmin: int = -8) -> torch.Tensor:
+    """Least squared error of each group [G, 32] over every positive normal bf16 scale S, with
+    codes in ``[qmin, 7]`` (-7: ``optimal-pm7``; the bounds below hold for both ranges).
 
     Only S in [a/16, 2a] (a = the group's largest |value|) can win, so only those are tried.
     S > 2a rounds everything to 0 (error sum v^2), which S = a (bf16: an MXFP4 value) never
@@ -568,9 +569,15 @@ def brute_force_min(values: torch.Tensor) -> torch.Tensor:
         if a == 0:
             continue
         s = scales[(scales >= a / 16) & (scales <= 2 * a)]
-        q = torch.clamp(torch.round(v[None, :] / s[:, None]), -8, 7)
+        q = torch.clamp(torch.round(v[None, :] / s[:, None]), qmin, 7)
         out[i] = ((q * s[:, None] - v[None, :]) ** 2).sum(1).min()
     return out
+
+
+def _has_minus_8(words: torch.Tensor) -> bool:
+    """Whether packed int4 words hold code -8 (nibble 0; a zero group is nibble 8, code 0)."""
+    b = words.contiguous().view(torch.uint8)
+    return bool(((b & 15) == 0).any() or ((b >> 4) == 0).any())
 
 
 def _source_identity(src: str, d: _Dst) -> Check:
@@ -646,7 +653,7 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
     ident = _source_identity(src, d)
     c = Check("re-decode")
     rule = scale_rule(d)
-    opt = Check("optimality" if rule == "optimal" else "scale rule")  # vllm-gfx942 is not the optimum
+    opt = Check("optimality" if rule in OPTIMA else "scale rule")  # vllm-gfx942 is not the optimum
     copy = Check("passthrough")
     result.decoder, read_int4 = _int4_reader()
     s_t, d_t = _Tensors(src, src_wm), _Tensors(d.path, {t: s for t, (s, _) in d.where.items()})
@@ -688,13 +695,15 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
         max_abs = float(diff.abs().max()) if diff.numel() else 0.0
         if abs(max_abs - rows[name]["max_abs"]) > REL_TOL * max(rows[name]["max_abs"], 1e-30):
             c.fail(f"{name}: re-decoded max abs error {max_abs:.9g}, table says {rows[name]['max_abs']:.9g}")
-        if rule != "optimal":
+        if OPTIMA.get(rule, -8) > -8 and _has_minus_8(words):
+            opt.fail(f"{m}: code -8 written, outside the {rule} rule's range [{OPTIMA[rule]}, 7]")
+        if rule not in OPTIMA:
             opt_groups += _same_as_rule(m, src_packed, src_scales, bias, words, int4_scales, opt)
         elif i < OPT_TENSORS:
             g_err = (diff * diff).reshape(-1, 32).sum(1)
             picks = torch.unique(torch.cat((g_err.topk(min(OPT_GROUPS // 2, g_err.numel())).indices,
                                             torch.linspace(0, g_err.numel() - 1, OPT_GROUPS // 2).long())))
-            best = brute_force_min(w.reshape(-1, 32)[picks])
+            best = brute_force_min(w.reshape(-1, 32)[picks], OPTIMA[rule])
             for g, e, b in zip(picks.tolist(), g_err[picks].tolist(), best.tolist()):
                 if e > b * (1 + 1e-12) + 1e-300:
                     opt.fail(f"{m}: group {g} has squared error {e:.6g}, the best bf16 scale gives {b:.6g}")
@@ -703,7 +712,8 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
     c.summary = (f"{len(names)} of {len(rows)} tensor(s) from the source bytes; largest deviation from the "
                  f"table {worst_dev:.1e} (limit {REL_TOL:g}); int4 read by {result.decoder}")
     opt.summary = f"{opt_groups} group(s) of {min(len(names), OPT_TENSORS)} tensor(s) vs every bf16 scale" \
-        if rule == "optimal" else f"{opt_groups} group(s) of {len(names)} tensor(s) byte-identical to the {rule} rule " \
+        + (f" (codes [{OPTIMA[rule]}, 7]; no -8 in {len(names)} tensor(s))" if OPTIMA[rule] > -8 else "") \
+        if rule in OPTIMA else f"{opt_groups} group(s) of {len(names)} tensor(s) byte-identical to the {rule} rule " \
         "(quant/server_rule.py) applied to the source bytes"
     if not names:
         c.skipped = opt.skipped = True

@@ -23,6 +23,7 @@ from . import digest
 from .devices import cpus, memory_available
 from .errors import BadInput, ConvertError, OutputError
 from .kernels import requantizer, server_requantizer
+from .quant.rules import optimum_qmin
 from .plan import ShardPlan
 
 Handler = Callable[[str, dict], None]   # (event kind, fields); raises to stop the run
@@ -132,7 +133,7 @@ def _warm_up(device: str) -> None:
     # that Triton compiles the same specialization the shards use, now rather than mid-shard
     groups = 1 << 17
     p = torch.zeros((groups, 16), dtype=torch.uint8, device=device)
-    for kernel in (requantizer(device), server_requantizer(device)):
+    for kernel in (requantizer(device), server_requantizer(device)):  # optimal-pm7: the same kernel
         kernel(p, torch.full((groups,), 127, dtype=torch.uint8, device=device), [0, groups])
     if device.startswith("cpu"):
         from .quant.cpu_kernel import output_error
@@ -170,7 +171,7 @@ class _Converters:
             stride, per_layer = task.sample_stride, task.sample_per_layer
             cpu = self.device.startswith("cpu")
             self.cache[key] = ShardConverter(
-                requantizer(self.device), self.device, task.batch_groups or (CPU_BATCH_GROUPS if cpu else 1 << 21),
+                requantizer(self.device, optimum_qmin(task.scale_rule)), self.device, task.batch_groups or (CPU_BATCH_GROUPS if cpu else 1 << 21),
                 lambda c: c.expert is None or (per_layer > 0 and c.expert % stride == 0),
                 scale_shift=task.scale_shift, rule=task.scale_rule, server=server_requantizer(self.device),
                 **io_threads())

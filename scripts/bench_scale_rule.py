@@ -4,6 +4,7 @@ Times, on one numba thread and in CPU seconds (so other load on a shared machine
 less than in wall time), interleaved and best of ``--repeats``:
 
 * ``optimal``: today's requantizer (it computes the server rule's error on the way);
+* ``optimal-pm7``: the same kernel on the [-7, 7] range's tables;
 * ``optimal, before``: the same kernel from ``--before`` (e.g. ``git show REV:converter/quant/cpu_kernel.py``),
   without the comparison: the difference is the comparison's cost;
 * ``vllm-gfx942``: the server rule's kernel alone (a ``--scale-rule vllm-gfx942`` run also runs
@@ -79,6 +80,7 @@ def main() -> int:
     numba.set_num_threads(1)
     out = (torch.empty_like(packed), torch.empty(scales.shape, dtype=torch.bfloat16))
     runs = {"optimal": lambda: cpu_kernel.requantize(packed, scales, out=out),
+            "optimal-pm7": lambda: cpu_kernel.requantize(packed, scales, out=out, qmin=-7),
             "vllm-gfx942": lambda: cpu_kernel.server_requantize(packed, scales, out=out)}
     if args.before:
         old = load_kernel(args.before)

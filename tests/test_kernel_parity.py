@@ -4,7 +4,8 @@ Runs the kernel through Triton's interpreter (TRITON_INTERPRET=1) on the CPU, so
 no GPU; skipped when Triton is not installed. Inputs are small: realistic MXFP4 groups
 (Gaussian and Student-t weights through the OCP MX scale rule), adversarial groups (all
 zero, NaN scale bytes, extreme exponents, all +6, single outliers, every low level, ties),
-several tensors of uneven sizes per batch, and the kernel's alternative code paths.
+several tensors of uneven sizes per batch, and the kernel's alternative code paths; each for
+both code ranges (``optimal``, and ``optimal-pm7``: the same kernel with the [-7, 7] tables).
 
 The interpreter must be switched on before ``triton`` is first imported, and the session's
 conftest imports it (through compressed-tensors -> transformers -> torch._inductor), so the
@@ -103,6 +104,10 @@ def _cases() -> dict[str, tuple[np.ndarray, np.ndarray, list[int], dict]]:
     offs = [0, 300, 301, len(packed)]
     for name, knobs in KNOB_CASES.items():
         cases[name] = (packed, scales, offs, knobs)
+    # optimal-pm7: the realistic and adversarial batches, and the exact fallback, with its tables
+    for name in ("realistic", "adversarial", "force_exact"):
+        p, s, o, knobs = cases[name]
+        cases[f"{name}_pm7"] = (p, s, o, {**knobs, "qmin": -7})
     return cases
 
 
@@ -169,8 +174,9 @@ def kernel_out(tmp_path_factory) -> dict[str, np.ndarray]:
 
 
 def _check(kernel_out: dict[str, np.ndarray], name: str) -> None:
-    packed, scales, offsets, _ = _cases()[name]
-    ref = cpu_requantize(torch.from_numpy(packed), torch.from_numpy(scales), offsets)
+    packed, scales, offsets, knobs = _cases()[name]
+    qmin = knobs.get("qmin", -8)
+    ref = cpu_requantize(torch.from_numpy(packed), torch.from_numpy(scales), offsets, qmin=qmin)
     got_p = torch.from_numpy(kernel_out[f"{name}.packed"])
     got_s = torch.from_numpy(kernel_out[f"{name}.scales"])
     got_st = torch.from_numpy(kernel_out[f"{name}.stats"])
@@ -182,6 +188,16 @@ def _check(kernel_out: dict[str, np.ndarray], name: str) -> None:
     # sums differ only in order; max_abs and both counts are exact
     torch.testing.assert_close(got_st[:, :2], ref.stats[:, :2], rtol=1e-12, atol=0.0)
     assert torch.equal(got_st[:, 2:], ref.stats[:, 2:])
+    # the range is the one asked for: -8 (nibble 0) never written under [-7, 7], and used otherwise
+    nibbles = torch.cat((got_p & 15, got_p >> 4), 1)
+    zero_group = got_s == 0
+    assert bool((nibbles[~zero_group] == 0).any()) == (qmin == -8)
+
+
+@pytest.mark.parametrize("name", ["realistic", "adversarial", "force_exact"])
+def test_symmetric_range(kernel_out, name):
+    """optimal-pm7 through the same kernel (its [-7, 7] tables): the reference's bytes."""
+    _check(kernel_out, f"{name}_pm7")
 
 
 def test_realistic_batch_uneven_tensors(kernel_out):

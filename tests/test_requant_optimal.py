@@ -1,4 +1,5 @@
-"""The requantizer is exactly error-optimal: checked against brute force over every bf16 scale."""
+"""The requantizer is exactly error-optimal: checked against brute force over every bf16 scale,
+for both code ranges ([-8, 7]: ``optimal``; [-7, 7]: ``optimal-pm7``)."""
 from __future__ import annotations
 
 import os
@@ -20,13 +21,14 @@ def decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return lut[codes] * torch.pow(2.0, scales.double() - 127)[:, None]
 
 
-def brute_force(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min squared error over every positive normal bf16 scale, and the largest scale reaching it."""
+def brute_force(values: torch.Tensor, qmin: int = -8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min squared error over every positive normal bf16 scale (codes in ``[qmin, 7]``), and the
+    largest scale reaching it."""
     scales = (ALL_BF16_POSITIVE << 16).view(torch.float32).double()
     best_err = torch.full((values.shape[0],), float("inf"), dtype=torch.float64)
     best_scale = torch.zeros(values.shape[0], dtype=torch.float64)
     for chunk in scales.split(2048):
-        q = torch.clamp(torch.round(values[:, None, :] / chunk[None, :, None]), -8, 7)
+        q = torch.clamp(torch.round(values[:, None, :] / chunk[None, :, None]), qmin, 7)
         err = ((q * chunk[None, :, None] - values[:, None, :]) ** 2).sum(2)  # [G, S]
         e, _ = err.min(1)
         # the largest scale among the minima in this chunk (chunks ascend)
@@ -77,17 +79,35 @@ def random_groups(rng: np.random.Generator, n: int) -> tuple[torch.Tensor, torch
     return packed, scales
 
 
-@pytest.mark.parametrize("source", ["adversarial", "random"])
-def test_matches_brute_force_over_every_bf16_scale(source):
+def two_value_groups() -> tuple[torch.Tensor, torch.Tensor]:
+    """Every top code (both signs) with every smaller non-zero code at 1, 8, 16 or 31 copies: the
+    histograms nearest the LPs' vertices, where a wrongly pruned multiplier would show."""
+    rows = []
+    for top in range(1, 8):
+        for sign in (0, 8):
+            for c in [c for c in range(1, 16) if 0 < (c & 7) < top]:
+                for k in (1, 8, 16, 31):
+                    rows.append([top | sign] * (32 - k) + [c] * k)
+    codes = np.array(rows, dtype=np.uint8)
+    packed = torch.from_numpy(codes[:, 0::2] | (codes[:, 1::2] << 4))
+    return packed, torch.full((len(rows),), 127, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("qmin", [-8, -7])
+@pytest.mark.parametrize("source", ["adversarial", "random", "two-value"])
+def test_matches_brute_force_over_every_bf16_scale(source, qmin):
     rng = np.random.default_rng(1234)
-    packed, scales = adversarial_groups(rng) if source == "adversarial" else random_groups(rng, 150)
-    res = requantize(packed, scales)
+    packed, scales = {"adversarial": lambda: adversarial_groups(rng), "random": lambda: random_groups(rng, 150),
+                      "two-value": two_value_groups}[source]()
+    res = requantize(packed, scales, qmin=qmin)
     assert res.stats[0, STAT_FIELDS.index("nan_scale")] == 0
     assert res.stats[0, STAT_FIELDS.index("out_of_range")] == 0
     values = decode(packed, scales)
     ours = ((int4_values(res.packed, res.scales) - values) ** 2).sum(1)
-    best_err, best_scale = brute_force(values)
+    best_err, best_scale = brute_force(values, qmin)
     nonzero = values.abs().amax(1) > 0
+    # the range is the one searched: -8 (nibble 0) is written only when allowed, and then it is used
+    assert bool((torch.cat((res.packed & 15, res.packed >> 4), 1) == 0).any()) == (qmin == -8)
     assert torch.equal(ours, best_err), (ours - best_err).abs().max()
     # same scale as the brute force's tie rule (largest scale among the optima)
     assert torch.equal(res.scales.double()[nonzero], best_scale[nonzero])
@@ -118,7 +138,23 @@ def test_deterministic_and_chunk_independent(monkeypatch):
     assert torch.equal(a.packed, b.packed) and torch.equal(a.scales.view(torch.int16), b.scales.view(torch.int16))
 
 
-def test_numba_kernel_gives_the_reference_bytes():
+def test_forbidding_minus_8_costs_error_where_the_optimum_uses_it():
+    """The two ranges differ exactly where the [-8, 7] optimum writes -8: there [-7, 7] is worse,
+    elsewhere the bytes are the same (so the two searches cannot be mixed up)."""
+    rng = np.random.default_rng(5)
+    packed, scales = random_groups(rng, 2000)
+    a, b = requantize(packed, scales), requantize(packed, scales, qmin=-7)
+    values = decode(packed, scales)
+    ea = ((int4_values(a.packed, a.scales) - values) ** 2).sum(1)
+    eb = ((int4_values(b.packed, b.scales) - values) ** 2).sum(1)
+    uses8 = (torch.cat((a.packed & 15, a.packed >> 4), 1) == 0).any(1)
+    assert 0 < int(uses8.sum()) < len(uses8)
+    assert torch.all(eb[uses8] > ea[uses8])
+    assert torch.equal(a.packed[~uses8], b.packed[~uses8]) and torch.equal(a.scales[~uses8], b.scales[~uses8])
+
+
+@pytest.mark.parametrize("qmin", [-8, -7])
+def test_numba_kernel_gives_the_reference_bytes(qmin):
     """The fast CPU kernel (int32 class scores) and the float reference agree byte for byte."""
     from converter.quant import cpu_kernel
 
@@ -127,8 +163,8 @@ def test_numba_kernel_gives_the_reference_bytes():
     adv_p, adv_s = adversarial_groups(rng)
     packed, scales = torch.cat([adv_p, packed]), torch.cat([adv_s, scales])
     offsets = [0, 15, 7000, 7001, packed.shape[0]]
-    ref = requantize(packed, scales, offsets)
-    fast = cpu_kernel.requantize(packed, scales, offsets)
+    ref = requantize(packed, scales, offsets, qmin=qmin)
+    fast = cpu_kernel.requantize(packed, scales, offsets, qmin=qmin)
     assert torch.equal(fast.packed, ref.packed)
     assert torch.equal(fast.scales.view(torch.int16), ref.scales.view(torch.int16))
     torch.testing.assert_close(fast.stats, ref.stats, rtol=1e-12, atol=0)
@@ -144,10 +180,12 @@ rng = np.random.default_rng(7)
 packed, scales = random_groups(rng, 5000)
 adv_p, adv_s = adversarial_groups(rng)
 packed, scales = torch.cat([adv_p, packed]), torch.cat([adv_s, scales])
-ref, fast = requantize(packed, scales, [0, 15, packed.shape[0]]), cpu_kernel.requantize(packed, scales, [0, 15, packed.shape[0]])
-assert torch.equal(fast.packed, ref.packed), "bytes differ"
-assert torch.equal(fast.scales.view(torch.int16), ref.scales.view(torch.int16)), "scales differ"
-torch.testing.assert_close(fast.stats, ref.stats, rtol=1e-12, atol=0)
+for qmin in (-8, -7):
+    off = [0, 15, packed.shape[0]]
+    ref, fast = requantize(packed, scales, off, qmin=qmin), cpu_kernel.requantize(packed, scales, off, qmin=qmin)
+    assert torch.equal(fast.packed, ref.packed), "bytes differ"
+    assert torch.equal(fast.scales.view(torch.int16), ref.scales.view(torch.int16)), "scales differ"
+    torch.testing.assert_close(fast.stats, ref.stats, rtol=1e-12, atol=0)
 print("same bytes")
 """
 
@@ -178,3 +216,29 @@ def test_candidate_table_is_what_the_lps_derive():
     script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "derive_candidates.py"
     r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("qmin", [-8, -7])
+def test_pruned_candidates_lose_nothing_against_every_multiplier_in_range(qmin):
+    """Many more histograms than the brute force can take: the LP-pruned search picks the same
+    multiplier as a search over all 975 bf16 multipliers in [1/16, 12] (outside it none can win:
+    docs/maths.md), on 60,000 random histograms of sparse and dense code subsets (exact float64
+    scores, same priority order)."""
+    from converter.quant.candidates import BY_QMIN
+    from converter.quant.requant import choose
+    from converter.quant.tables import bf16_bits_to_float, score_table
+
+    bits = np.arange(0x4140, 0x3D80 - 1, -1, dtype=np.uint32)  # 12 down to 1/16: priority order
+    _, score = score_table(bf16_bits_to_float(bits), qmin)
+    rng = np.random.default_rng(11)
+    hists = []
+    for n in (2, 3, 5, 16):  # codes present
+        for _ in range(15000):
+            codes = rng.choice(16, n, replace=False)
+            hists.append(np.bincount(codes[rng.choice(n, 32, p=rng.dirichlet(np.ones(n) * 0.5))], minlength=16))
+    h = np.stack(hists)
+    h = h[(h[:, 1:8] + h[:, 9:16]).sum(1) > 0]  # all-zero groups have no multiplier to choose
+    full = bits[np.argmin(h.astype(np.float64) @ score, axis=1)]  # argmin: the first, largest m
+    best, _ = choose(torch.from_numpy(h.astype(np.int32)), qmin)
+    ours = np.array(BY_QMIN[qmin][0], dtype=np.uint32)[best.numpy()]
+    assert np.array_equal(ours, full), np.flatnonzero(ours != full)[:10]

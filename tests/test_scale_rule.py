@@ -8,6 +8,7 @@ reference, numba, Triton through its interpreter) must all give its bytes.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -21,6 +22,7 @@ from interpreted import run_interpreted
 
 from converter.pipeline import Options
 from converter.quant import cpu_kernel, server_rule
+from converter.quant.rules import optimum_qmin
 from converter.verify import verify
 
 MXFP4_LIST = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -216,7 +218,7 @@ def both(tmp_path_factory):
     r = run_cli("make-fixture", src, "--layers", "3", "--experts", "4", "--shards", "2")
     assert r.exit_code == 0, r.output
     out = {}
-    for rule in ("optimal", "vllm-gfx942"):
+    for rule in ("optimal", "optimal-pm7", "vllm-gfx942"):
         dst = str(root / rule)
         r = run_cli("mxfp4-to-int4", src, "-o", dst, "--scale-rule", rule, "--progress", "none")
         assert r.exit_code == 0, (r.output, r.exception)
@@ -286,7 +288,8 @@ def _flip_one_code(dst: str) -> str:
     return name[: -len(".weight_packed")]
 
 
-@pytest.mark.parametrize("rule,check", [("optimal", "re-decode"), ("vllm-gfx942", "scale rule")])
+@pytest.mark.parametrize("rule,check", [("optimal", "re-decode"), ("optimal-pm7", "re-decode"),
+                                        ("vllm-gfx942", "scale rule")])
 def test_verify_source_knows_the_rule(both, tmp_path, rule, check):
     import shutil
 
@@ -303,6 +306,53 @@ def test_verify_source_knows_the_rule(both, tmp_path, rule, check):
     assert not bad.check(check).ok and any(m in p for p in bad.check(check).problems), bad.problems
 
 
+def test_cli_optimal_pm7_writes_no_minus_8_and_is_recorded(both, tmp_path):
+    """``--scale-rule optimal-pm7``: the [-7, 7] optimum of every tensor (the reference's bytes), no
+    code -8 anywhere, recorded in config, manifest and report, compared with the server rule; and
+    verify's optimality check refuses a planted -8."""
+    import shutil
+
+    from converter.quant import requant
+
+    src, out = both
+    dst, stdout = out["optimal-pm7"]
+    s_t, d_t, o_t = _tensors(src), _tensors(dst), _tensors(out["optimal"][0])
+    modules = [k[: -len(".weight_packed")] for k in d_t if k.endswith(".weight_packed")]
+    minus8 = 0
+    for m in modules:
+        p, s = s_t[f"{m}.weight_packed"], s_t[f"{m}.weight_scale"]
+        want = requant.requantize(p.reshape(-1, 16), s.reshape(-1), qmin=-7)
+        got = d_t[f"{m}.weight_packed"].contiguous().view(torch.uint8).reshape(-1, 16)
+        assert torch.equal(got, want.packed), m
+        assert torch.equal(d_t[f"{m}.weight_scale"].view(torch.int16).reshape(-1), want.scales.view(torch.int16)), m
+        assert not bool((ct_int4_q(d_t[f"{m}.weight_packed"], d_t[f"{m}.weight_shape"]) == -8).any()), m
+        minus8 += int((ct_int4_q(o_t[f"{m}.weight_packed"], o_t[f"{m}.weight_shape"]) == -8).sum())
+    assert minus8 > 0  # the [-8, 7] optimum of the same weights does use -8
+    assert read_json(os.path.join(dst, "config.json"))["text_config"]["quantization_config"][
+        "k3convert_scale_rule"] == "optimal-pm7"
+    assert read_json(os.path.join(dst, "k3convert_manifest.json"))["scale_rule"] == "optimal-pm7"
+    rep = read_json(os.path.join(dst, "k3convert_report.json"))
+    rep_opt = read_json(os.path.join(out["optimal"][0], "k3convert_report.json"))
+    assert rep["scale_rule"] == "optimal-pm7" and rep["compare_rule"] == "vllm-gfx942"
+    assert math.isclose(rep["cmp_rel_rmse_mean"], rep_opt["cmp_rel_rmse_mean"], rel_tol=1e-9)
+    assert rep_opt["rel_rmse_mean"] < rep["rel_rmse_mean"] < rep["cmp_rel_rmse_mean"]
+    assert f"server load-time int4 (vLLM 0.33 gfx942): {rep['cmp_ratio']:.2f}x our error" in stdout
+    # a -8 planted in a group: the optimality check names it
+    bad_dst = str(tmp_path / "planted")
+    shutil.copytree(dst, bad_dst)
+    wm = read_json(os.path.join(bad_dst, "model.safetensors.index.json"))["weight_map"]
+    name = sorted(k for k in wm if k.endswith(".weight_packed"))[0]
+    path = os.path.join(bad_dst, wm[name])
+    header, start = raw_header(path)
+    with open(path, "r+b") as f:
+        f.seek(start + header[name]["data_offsets"][0])
+        b = f.read(1)[0]
+        f.seek(start + header[name]["data_offsets"][0])
+        f.write(bytes([b & 0xF0]))  # low nibble 0: code -8
+    res = verify(bad_dst, src, None, checksums=False)
+    assert any("code -8 written" in p for p in res.check("optimality").problems), res.problems
+
+
 def test_job_file_takes_the_rule(both, tmp_path):
     src, _ = both
     job = tmp_path / "job.toml"
@@ -315,7 +365,7 @@ def test_job_file_takes_the_rule(both, tmp_path):
     assert r.exit_code == 2 and "amax7" in r.output
 
 
-@pytest.mark.parametrize("rule", ["optimal", "vllm-gfx942"])
+@pytest.mark.parametrize("rule", ["optimal", "optimal-pm7", "vllm-gfx942"])
 def test_comparison_pass_gives_the_fused_figures(both, tmp_path, rule):
     """The GPU path's comparison (a second kernel over the batch, as when the optimal kernel gives
     no server error on the way), run here with the torch references: the same figures."""
@@ -326,8 +376,9 @@ def test_comparison_pass_gives_the_fused_figures(both, tmp_path, rule):
     src, out = both
     sp = max(build_plan(src).shards, key=lambda s: len(s.converts))
     figs, digests = {}, {}
-    for name, opt, srv in (("fused", cpu_kernel.requantize, cpu_kernel.server_requantize),
-                           ("pass", requant.requantize, server_rule.requantize)):
+    qmin = optimum_qmin(rule)
+    for name, opt, srv in (("fused", functools.partial(cpu_kernel.requantize, qmin=qmin), cpu_kernel.server_requantize),
+                           ("pass", functools.partial(requant.requantize, qmin=qmin), server_rule.requantize)):
         d = tmp_path / name
         d.mkdir()
         res = ShardConverter(opt, "cpu", 1 << 12, rule=rule, server=srv).convert(sp, str(d))

@@ -6,18 +6,19 @@ a machine without Triton or a GPU can still use the CPU path and the coordinator
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 __all__ = ["requantizer", "server_requantizer"]
 
 
-def requantizer(device: str) -> Callable:
-    """The exact-optimum kernel for ``device``."""
+def requantizer(device: str, qmin: int = -8) -> Callable:
+    """The exact-optimum kernel for ``device``, over codes ``[qmin, 7]`` (``rules.optimum_qmin``)."""
     if device.startswith("cpu"):
         from ..quant.cpu_kernel import requantize
-        return requantize
-    from .triton_requant import requantize
-    return requantize
+    else:
+        from .triton_requant import requantize
+    return requantize if qmin == -8 else functools.partial(requantize, qmin=qmin)
 
 
 def server_requantizer(device: str) -> Callable:

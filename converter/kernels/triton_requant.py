@@ -4,7 +4,9 @@
 ``converter.quant.requant.requantize`` computes (same int4 bytes, same bf16 scale bits;
 per-tensor stats equal up to float64 summation order, max_abs and the counts exactly), for
 a whole batch of tensors in one launch, on the tensors' device (CUDA, ROCm, or the Triton
-interpreter on CPU with ``TRITON_INTERPRET=1``). Plain Triton only: no inline asm, no
+interpreter on CPU with ``TRITON_INTERPRET=1``); ``qmin=-7`` (``--scale-rule optimal-pm7``) runs
+the same kernel on the [-7, 7] range's tables, whose sizes and bounds ``_build_tables`` asserts
+alike (149 level-6/7 candidates, 13 low ones). Plain Triton only: no inline asm, no
 libdevice, so the same source builds for NVIDIA and for AMD gfx942 (compiled, not run).
 
 How a group is searched (SPEC §5; the bounds used are asserted in ``_build_tables``)
@@ -65,9 +67,9 @@ import torch
 import triton
 import triton.language as tl
 
-from converter.quant.candidates import CANDIDATE_BITS, CLASS_MEMBERS
+from converter.quant.candidates import BY_QMIN
 from converter.quant.requant import STAT_FIELDS, Result
-from converter.quant.tables import E2M1_VALUES, tables
+from converter.quant.tables import E2M1_VALUES, QMIN, tables
 
 # ---------------------------------------------------------------------------------------
 # Tables
@@ -106,17 +108,19 @@ def _as_int(x: np.ndarray, what: str) -> np.ndarray:
 
 
 @functools.cache
-def _build_tables() -> _HostTables:
-    """Derive the kernel's tables from converter.quant.tables, checking every bound used."""
-    t = tables()
+def _build_tables(qmin: int = QMIN) -> _HostTables:
+    """Derive the kernel's tables from converter.quant.tables for codes ``[qmin, 7]``, checking
+    every bound used (the kernel is the same for both code ranges, only its tables differ)."""
+    t = tables(qmin)
+    candidate_bits, class_members = BY_QMIN[qmin]
     k_all = t.err2.shape[1]
-    mem = {lv: set(int(i) for i in ix) for lv, ix in CLASS_MEMBERS.items()}
+    mem = {lv: set(int(i) for i in ix) for lv, ix in class_members.items()}
     codes_upto = {lv: [c for c in range(16) if (c & 7) <= lv] for lv in range(8)}
 
     # ---- fast table: levels 6 and 7 ------------------------------------------------------
     fast = sorted(mem[6] | mem[7])
     block1, overflow = fast[:N1], fast[N1:]
-    helpers = [i for i, b in enumerate(CANDIDATE_BITS) if b in HELPER_BITS and i in mem[7]]
+    helpers = [i for i, b in enumerate(candidate_bits) if b in HELPER_BITS and i in mem[7]]
     helpers = [i for i in helpers if i not in overflow][: N2 - len(overflow)]
     if len(overflow) > N2:
         raise AssertionError("candidate table too large for the two-block kernel")
@@ -167,7 +171,7 @@ def _build_tables() -> _HostTables:
             lowmask[lv, j] = int(k in mem[lv])
 
     # ---- per-candidate outputs ---------------------------------------------------------------
-    bits = np.array(CANDIDATE_BITS, dtype=np.int32)
+    bits = np.array(candidate_bits, dtype=np.int32)
     abserr = t.abserr.T.astype(np.float32)
     assert np.array_equal(abserr.astype(np.float64), t.abserr.T)
     l2x4 = _as_int(4 * E2M1_VALUES ** 2, "values^2").astype(np.int32)
@@ -178,13 +182,13 @@ def _build_tables() -> _HostTables:
     )
 
 
-_DEVICE_TABLES: dict[str, dict[str, torch.Tensor]] = {}
+_DEVICE_TABLES: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
 
-def _device_tables(device: torch.device) -> dict[str, torch.Tensor]:
-    key = str(device)
+def _device_tables(device: torch.device, qmin: int = QMIN) -> dict[str, torch.Tensor]:
+    key = (str(device), qmin)
     if key not in _DEVICE_TABLES:
-        h = _build_tables()
+        h = _build_tables(qmin)
         _DEVICE_TABLES[key] = {
             name: torch.from_numpy(np.ascontiguousarray(getattr(h, name))).to(device)
             for name in h.__dataclass_fields__
@@ -550,6 +554,7 @@ def prepare(
     stats: bool = True,
     force_exact: bool = False,
     maxnreg: int | None = None,
+    qmin: int = QMIN,
 ) -> Callable[[], Result]:
     """Validate and allocate once; return a callable that launches the kernel (benchmarks).
 
@@ -557,8 +562,8 @@ def prepare(
     so timing it measures one full requantization. Knobs: ``block_groups`` groups a block,
     ``nsplit`` column slices of block 1 (2 or 4), ``maxnreg`` caps registers (NVIDIA);
     ``stats=False`` skips statistics (timing only); ``force_exact`` sends every level-6/7
-    group through the exact second pass (tests). Knobs left at None come from
-    ``launch_config(device_arch(packed.device))``.
+    group through the exact second pass (tests); ``qmin`` the lowest code, -8 (``optimal``) or -7
+    (``optimal-pm7``). Knobs left at None come from ``launch_config(device_arch(packed.device))``.
     """
     defaults = launch_config(device_arch(packed.device))
     block_groups = defaults["block_groups"] if block_groups is None else block_groups
@@ -594,7 +599,7 @@ def prepare(
         packed = packed.clone()
     scales = scales.contiguous()
     words = packed.view(torch.int32)
-    tabs = _device_tables(device)
+    tabs = _device_tables(device, qmin)
     extra = {"maxnreg": maxnreg} if (maxnreg and device.type == "cuda") else {}
     bg = block_groups
     nblk = math.ceil(g / bg)

@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from .requant import STAT_FIELDS, Result
 from .server_rule import server_tables
-from .tables import E2M1_VALUES, class_int_scores, tables
+from .tables import E2M1_VALUES, QMIN, class_int_scores, tables
 
 CHUNK = 4096  # groups per parallel work item
 SUB = 64      # groups scored before their bytes are written
@@ -55,10 +55,11 @@ _BYTES = ir.VectorType(ir.IntType(8), 16)
 
 
 @functools.cache
-def _packed_tables() -> tuple[np.ndarray, ...]:
+def _packed_tables(qmin: int = QMIN) -> tuple[np.ndarray, ...]:
     """Per level, its candidates in blocks of 16, lane-major (slot 16 b + l holds candidate
-    l * nb + b): an int32 init key per slot and, per term, 16 (lo, hi) int16 pairs of 8 F."""
-    t = tables()
+    l * nb + b): an int32 init key per slot and, per term, 16 (lo, hi) int16 pairs of 8 F; for
+    the optimum over codes ``[qmin, 7]`` (the kernel is the same, only its tables differ)."""
+    t = tables(qmin)
     srv = server_tables()
     base = np.zeros(8, dtype=np.int64)       # first block of the level
     nblk = np.zeros(8, dtype=np.int64)       # blocks of the level
@@ -385,10 +386,11 @@ def _run(words, packed, scales, out, out_scale, partial, pairs, init, base, nblk
 
 
 def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | None = None,
-               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Result:
+               out: tuple[torch.Tensor, torch.Tensor] | None = None, qmin: int = QMIN) -> Result:
     """Same contract and bytes as ``requant.requantize``, for CPU tensors, much faster.
 
-    ``out``: (uint8 [G, 16], bf16 [G]) buffers to write into, e.g. reused ones.
+    ``out``: (uint8 [G, 16], bf16 [G]) buffers to write into, e.g. reused ones. ``qmin``: the
+    lowest code, -8 (``optimal``) or -7 (``optimal-pm7``).
     """
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8 or packed.dim() != 2 \
             or packed.shape[1] != 16 or scales.shape != packed.shape[:1]:
@@ -406,7 +408,7 @@ def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | 
     out_scale = result_scales.view(torch.int16).numpy()
     words = p.view(np.uint64)
     stats = np.zeros((len(offsets) - 1, len(STAT_FIELDS) + 1))  # + the server rule's err2
-    tabs = _packed_tables()
+    tabs = _packed_tables(qmin)
     for ti, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
         if hi == lo:
             continue

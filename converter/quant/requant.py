@@ -7,11 +7,12 @@ The GPU kernel (converter/kernels) implements the same function and must give th
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from .tables import E2M1_VALUES, E8M0_NAN, torch_tables
+from .tables import E2M1_VALUES, E8M0_NAN, QMIN, torch_tables
 
 CHUNK_GROUPS = 1 << 15  # bounds the [groups, candidates] float64 score matrix (~30 MB)
 
@@ -44,13 +45,14 @@ def histogram(packed: torch.Tensor) -> torch.Tensor:
     return hist.scatter_add_(1, codes, torch.ones_like(codes, dtype=torch.int32))
 
 
-def choose(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Winning candidate per group (smallest error, ties to the larger multiplier), and level.
+def choose(hist: torch.Tensor, qmin: int = QMIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Winning candidate per group (smallest error, ties to the larger multiplier), and level,
+    for codes in ``[qmin, 7]``.
 
     Groups are split by their largest |value| level (0 = all zero), each searched over only
     the candidates that can win at that level (scripts/derive_candidates.py).
     """
-    t = torch_tables()
+    t = torch_tables(qmin=qmin)
     present = hist > 0
     mag = present[:, :8] | present[:, 8:]
     level = (mag * torch.arange(8, dtype=torch.int64)).amax(dim=1)
@@ -68,10 +70,11 @@ def choose(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return best, level
 
 
-def _chunk(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
-    t = torch_tables()
+def _chunk(packed: torch.Tensor, scales: torch.Tensor, qmin: int = QMIN
+           ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+    t = torch_tables(qmin=qmin)
     hist = histogram(packed)
-    best, level = choose(hist)
+    best, level = choose(hist, qmin)
     nonzero = level > 0
     field = t["exp"][best] + scales.to(torch.int32) - 127
     nan = scales == E8M0_NAN
@@ -91,14 +94,15 @@ def _chunk(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | None = None,
-               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Result:
+               out: tuple[torch.Tensor, torch.Tensor] | None = None, qmin: int = QMIN) -> Result:
     """Requantize a batch of tensors given as ``G`` groups (CPU reference).
 
     ``offsets``: group index where each tensor starts, plus ``G`` at the end (default: one
     tensor). The int4 bytes keep the input's nibble positions: a group's 32 values q+8 sit at
-    nibble k of little-endian int32 word k//8, as compressed-tensors packs them.
+    nibble k of little-endian int32 word k//8, as compressed-tensors packs them. ``qmin``: the
+    lowest code allowed, -8 (``optimal``) or -7 (``optimal-pm7``: no code -8 is written).
     """
-    return by_chunks(_chunk, packed, scales, offsets, out)
+    return by_chunks(functools.partial(_chunk, qmin=qmin), packed, scales, offsets, out)
 
 
 def by_chunks(chunk, packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | None = None,

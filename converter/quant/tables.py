@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .candidates import CANDIDATE_BITS, CLASS_MEMBERS
+from .candidates import BY_QMIN
 
 # FP4 E2M1 code -> value; codes 8..15 are the negatives (8 is -0).
 E2M1_VALUES = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     dtype=np.float64,
 )
-QMIN, QMAX = -8, 7
+QMIN, QMAX = -8, 7  # the format's code range; ``--scale-rule optimal-pm7`` searches [-7, 7] (rules.OPTIMA)
 GROUP = 32
 E8M0_NAN = 255
 
@@ -30,25 +30,25 @@ def bf16_bits_to_float(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def best_q(values: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """Nearest int4 level for each (value, multiplier), ties towards zero: ``[V, K]`` int8.
+def best_q(values: np.ndarray, m: np.ndarray, qmin: int = QMIN) -> np.ndarray:
+    """Nearest int4 level in ``[qmin, 7]`` for each (value, multiplier), ties towards zero: ``[V, K]`` int8.
 
     Every level is tried, so no library's rounding mode is involved.
     """
-    levels = np.arange(QMIN, QMAX + 1, dtype=np.float64)
+    levels = np.arange(qmin, QMAX + 1, dtype=np.float64)
     order = np.argsort(np.abs(levels), kind="stable")  # argmin keeps the first: smallest |q|
     levels = levels[order]
     err = (levels[None, None, :] * m[None, :, None] - values[:, None, None]) ** 2
     return levels[np.argmin(err, axis=2)].astype(np.int8)
 
 
-def score_table(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per (code, candidate): the int4 level, and ``(q m - L)^2 - L^2``.
+def score_table(m: np.ndarray, qmin: int = QMIN) -> tuple[np.ndarray, np.ndarray]:
+    """Per (code, candidate): the int4 level in ``[qmin, 7]``, and ``(q m - L)^2 - L^2``.
 
     Summed over a block's codes the second ranks candidates exactly like the squared error,
     and every partial sum is exact in float64.
     """
-    q = best_q(E2M1_VALUES, m)
+    q = best_q(E2M1_VALUES, m, qmin)
     qm = q.astype(np.float64) * m[None, :]
     return q, qm * qm - 2.0 * qm * E2M1_VALUES[:, None]
 
@@ -68,10 +68,12 @@ class Tables:
 
 
 @functools.cache
-def tables() -> Tables:
-    bits = np.array(CANDIDATE_BITS, dtype=np.uint32)
+def tables(qmin: int = QMIN) -> Tables:
+    """The tables of the optimum over codes ``[qmin, 7]`` (-8: ``optimal``, -7: ``optimal-pm7``)."""
+    bits_t, class_members = BY_QMIN[qmin]
+    bits = np.array(bits_t, dtype=np.uint32)
     m = bf16_bits_to_float(bits)
-    q, score = score_table(m)
+    q, score = score_table(m, qmin)
     d = q.astype(np.float64) * m[None, :] - E2M1_VALUES[:, None]
     b = np.arange(256)
     nib = (q.astype(np.int16) + 8).astype(np.uint8)  # [16, K]
@@ -79,14 +81,14 @@ def tables() -> Tables:
     return Tables(
         q=q, score=score, err2=d * d, abserr=np.abs(d), byte_map=byte_map,
         exp=((bits >> 7) & 0xFF).astype(np.int32), mant=(bits & 0x7F).astype(np.int32),
-        members={lv: np.array(ix, dtype=np.int64) for lv, ix in CLASS_MEMBERS.items()},
+        members={lv: np.array(ix, dtype=np.int64) for lv, ix in class_members.items()},
     )
 
 
 @functools.cache
-def torch_tables(device: str = "cpu") -> dict[str, torch.Tensor]:
-    """The same tables as torch tensors on ``device`` (cached per device)."""
-    t = tables()
+def torch_tables(device: str = "cpu", qmin: int = QMIN) -> dict[str, torch.Tensor]:
+    """The same tables as torch tensors on ``device`` (cached per device and code range)."""
+    t = tables(qmin)
     out = {name: torch.from_numpy(np.ascontiguousarray(getattr(t, name))).to(device)
            for name in ("q", "score", "err2", "abserr", "byte_map", "exp", "mant")}
     for lv, ix in t.members.items():
