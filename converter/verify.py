@@ -24,9 +24,10 @@ from .formats.safetensors_io import Header, TensorInfo, read_header
 from .digest import ALGORITHM as DIGEST_ALGORITHM, file_digest
 from .formats.dialect import EXPERT_TARGET, TARGET_FORMAT
 from .formats.json_input import ListOf, MapOf, Nullable, type_problems
-from .manifest import MANIFEST, REPORT, TENSOR_TABLE, read_json, read_rows
-from .safepath import plain_name
-from .plan import PACKED, SCALE, SHAPE
+from .manifest import MANIFEST, REPORT, TENSOR_TABLE, json_bytes, read_json, read_rows
+from .outputs import BOOKKEEPING, Expected, accepted, expected, listing, named_by
+from .safepath import open_regular, plain_name, read_regular, regular_problem
+from .plan import PACKED, README, SCALE, SHAPE, build_plan
 from .quant.rules import RULE_KEY, RULES as SCALE_RULES, recorded_rule
 from .serving import serving_check
 from .validate import error_ratio, ratio_line
@@ -47,6 +48,7 @@ MANIFEST_TYPES = {
     "source": {"path": str, "shards": MapOf(_FINGERPRINT), "profile": dict,
                "quantization": {"dialect": str, "packed_suffix": str, "scale_bias": int, "blocks": ListOf(str)}},
     "shards": MapOf({"bytes": int, "digest": str}),
+    "files": MapOf({"bytes": int, "digest": str}),
 }
 INDEX_TYPES = {"metadata": {"total_size": int}, "weight_map": MapOf(str)}
 CONFIG_TYPES = {"text_config": Nullable(dict)}
@@ -171,9 +173,12 @@ def _check_manifest(d: _Dst) -> Check:
     if dialect not in ckpt.DIALECTS or m.get("source_format") != f"{dialect} MXFP4":
         c.fail(f"source_format is {m.get('source_format')!r}, source.quantization.dialect {dialect!r}: "
                f"expected one of {', '.join(repr(f'{n} MXFP4') for n in sorted(ckpt.DIALECTS))}, naming the dialect")
-    leftovers = sorted(f for f in os.listdir(d.path) if f.endswith(".partial"))
-    if leftovers:
-        c.notes.append(f"unfinished file(s) of an interrupted run, not part of the output: {', '.join(leftovers)}")
+    # every source shard has its output shard of the same name (outputs.expected), and no other
+    listed = set((m.get("source") or {}).get("shards") or {})
+    for name in sorted(listed - set(m.get("shards") or {})):
+        c.fail(f"{name}: source.shards lists it, but shards has no output for it")
+    for name in sorted(set(m.get("shards") or {}) - listed):
+        c.fail(f"{name}: an output shard of no source shard in source.shards")
     c.summary = f"status {m.get('status')!r}, {m.get('tool')} {m.get('version')}, {len(m.get('shards') or {})} shards"
     return c
 
@@ -202,6 +207,38 @@ def _check_checksums(d: _Dst, workers: int) -> Check:
     total = sum(int(r.get("bytes") or 0) for r in shards.values())
     c.summary = f"{len(shards)} shard(s), {total / 1e9:.3f} GB: digests (chunked SHA-256) and sizes against the manifest"
     return c
+
+
+def _check_listing(d: _Dst, c: Check) -> list[str]:
+    """Every file under DST against the manifest (``outputs.listing``): one it does not name fails
+    (upload would publish it), a temporary is named, not failed (upload never sends one), and
+    each file it records beside the shards has its size and digest. Returns the accepted files.
+    Only files the walk found are opened: the manifest's names are untrusted."""
+    found = listing(d.path)
+    named = named_by(d.manifest)
+    if "files" not in d.manifest:
+        c.fail(f"{MANIFEST} records no files beside the shards (written by an older k3convert): "
+               "run `k3convert finalize DST` to record them")
+    for f in found.files:
+        if f not in named:
+            c.fail(f"{f}: a file that {MANIFEST} does not name (upload would publish it): remove it")
+    for f in found.links:
+        c.fail(f"{f} is a symlink (to {os.readlink(os.path.join(d.path, f))}): refusing what may lie outside DST")
+    if found.temporaries:
+        c.notes.append(f"left by an interrupted run, not part of the output (never uploaded; the finalize that "
+                       f"completes DST removes them): {', '.join(found.temporaries)}")
+    present = set(found.files)
+    for rel, rec in sorted((d.manifest.get("files") or {}).items()):
+        path = os.path.join(d.path, rel)
+        if rel not in present:
+            c.fail(f"{rel}: named by {MANIFEST} but missing")
+        elif why := regular_problem(path):
+            c.fail(f"{rel}: {why}")
+        elif os.path.getsize(path) != rec["bytes"]:
+            c.fail(f"{rel}: {os.path.getsize(path)} bytes, {MANIFEST} says {rec['bytes']}")
+        elif file_digest(path) != rec["digest"]:
+            c.fail(f"{rel}: its digest does not match {MANIFEST}'s (edited after the conversion?)")
+    return accepted(found, d.manifest)
 
 
 # --------------------------------------------------------------------------- (b) structure
@@ -573,6 +610,81 @@ def brute_force_min(values: torch.Tensor) -> torch.Tensor:
     return out
 
 
+SHOWN_DIFFERENCES = 5  # field differences named per file
+
+
+def differences(got: Any, want: Any, path: str = "") -> list[str]:
+    """Where a JSON value read from DST differs from the one SRC gives, as dotted field paths."""
+    if got == want:
+        return []
+    if isinstance(got, dict) and isinstance(want, dict):
+        out = []
+        for k in sorted(set(got) | set(want), key=str):
+            p = f"{path}.{k}" if path else str(k)
+            if k not in got:
+                out.append(f"{p} is missing, SRC gives {_short(want[k])}")
+            elif k not in want:
+                out.append(f"{p} is {_short(got[k])}, SRC gives no such field")
+            else:
+                out += differences(got[k], want[k], p)
+        return out
+    return [f"{path or 'the document'} is {_short(got)}, SRC gives {_short(want)}"]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _shard_problem(path: str, want: Expected, name: str, header: Header | None) -> str | None:
+    """Why DST's shard ``name`` is not laid out as SRC gives it (header bytes and size), or None."""
+    layout = want.shards[name].layout
+    with os.fdopen(open_regular(path), "rb") as f:
+        head = f.read(len(layout.header))
+        size = os.fstat(f.fileno()).st_size
+    if head == layout.header and size == layout.file_size:
+        return None
+    if header is not None:
+        have, expect = set(header.tensors), {t.name for t in layout.tensors}
+        for what, names in (("lacks", expect - have), ("holds the extra", have - expect)):
+            if names:
+                return f"{name}: {what} tensor(s) {', '.join(sorted(names)[:SHOWN_DIFFERENCES])}"
+        if diff := differences(header.metadata, layout.metadata, "metadata"):
+            return f"{name}: {diff[0]}"
+    return f"{name}: {size} bytes, header of {len(head)}: SRC gives {layout.file_size} bytes and another " \
+        "header (a tensor's dtype, shape, offset or order)"
+
+
+def _from_source(src: str, d: _Dst, files: list[str]) -> Check:
+    """Recompute from SRC what DST must hold (``outputs.expected``, the list finalize writes) and
+    compare every file: each shard's header and size, config.json and the index byte for byte
+    (naming the fields that differ), each side file byte for byte, and no file besides."""
+    c = Check("from source")
+    opts = d.manifest.get("options") or {}
+    plan = build_plan(src, opts.get("profile"), bool(opts.get("drop_activation_quant")))  # BadInput: exit 2
+    want = expected(plan, scale_rule(d))
+    have = set(files)
+    for name in sorted(want.names - have):
+        c.fail(f"{name}: SRC gives it, DST lacks it")
+    for name in sorted(have - want.names - set(BOOKKEEPING) - {README}):
+        c.fail(f"{name}: in DST, but SRC gives no such file")
+    for name in sorted(have & set(want.shards)):
+        if why := _shard_problem(os.path.join(d.path, name), want, name, d.headers.get(name)):
+            c.fail(why)
+    for name, obj in want.documents.items():
+        path = os.path.join(d.path, name)
+        if name in have and read_regular(path) != json_bytes(obj):
+            diff = differences(read_json(path), obj) or ["the same fields, other bytes (formatting)"]
+            more = f" (and {len(diff) - SHOWN_DIFFERENCES} more)" if len(diff) > SHOWN_DIFFERENCES else ""
+            c.fail(f"{name}: " + "; ".join(diff[:SHOWN_DIFFERENCES]) + more)
+    for target, rel in sorted(want.side_files.items()):
+        if target in have and file_digest(os.path.join(d.path, target)) != file_digest(os.path.join(src, rel)):
+            c.fail(f"{target}: differs from SRC's {rel} (side files are copied byte-identical)")
+    c.summary = (f"{len(want.shards)} shard layout(s), {len(want.documents)} derived file(s), {len(want.side_files)} "
+                 "side file(s) recomputed from SRC: the same, and nothing else")
+    return c
+
+
 def _source_identity(src: str, d: _Dst) -> Check:
     c = Check("source")
     recorded = (d.manifest.get("source") or {}).get("shards") or {}
@@ -741,7 +853,9 @@ def verify(dst: str, source: str | None = None, sample: int | None = 8, *, check
         result.checks.append(_check_checksums(d, workers))
     else:
         result.checks.append(Check("checksums", "not computed (structure only)", skipped=True))
-    files.summary = f"{len(d.headers)} shard(s) with readable safetensors headers"
+    result.files = _check_listing(d, files)
+    files.summary = (f"{len(result.files)} file(s), each named by the manifest; {len(d.headers)} shard(s) with "
+                     "readable safetensors headers")
     _check_index(d, index)
     result.checks += [files, index, _check_config(d, config), _check_tensors(d), _check_situ(d)]
     figs, rows = _check_figures(d)
@@ -750,6 +864,7 @@ def verify(dst: str, source: str | None = None, sample: int | None = 8, *, check
         src = os.path.abspath(source)
         if not os.path.isdir(src):
             raise BadInput("not a directory", file=src)
+        result.checks.append(_from_source(src, d, result.files))
         result.checks += _redecode(src, d, rows, sample, result)
     else:
         where = (d.manifest.get("source") or {}).get("path")
