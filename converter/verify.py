@@ -25,7 +25,7 @@ from .digest import ALGORITHM as DIGEST_ALGORITHM, file_digest
 from .formats.dialect import EXPERT_TARGET, TARGET_FORMAT
 from .formats.json_input import ListOf, MapOf, Nullable, type_problems
 from .manifest import MANIFEST, REPORT, TENSOR_TABLE, json_bytes, read_json, read_rows
-from .outputs import BOOKKEEPING, Expected, accepted, expected, listing, named_by
+from .outputs import BOOKKEEPING, CONFIG, Expected, accepted, expected, listing, named_by
 from .safepath import open_regular, plain_name, read_regular, regular_problem
 from .plan import PACKED, README, SCALE, SHAPE, build_plan
 from .quant.rules import RULE_KEY, RULES as SCALE_RULES, recorded_rule
@@ -173,12 +173,12 @@ def _check_manifest(d: _Dst) -> Check:
     if dialect not in ckpt.DIALECTS or m.get("source_format") != f"{dialect} MXFP4":
         c.fail(f"source_format is {m.get('source_format')!r}, source.quantization.dialect {dialect!r}: "
                f"expected one of {', '.join(repr(f'{n} MXFP4') for n in sorted(ckpt.DIALECTS))}, naming the dialect")
-    # every source shard has its output shard of the same name (outputs.expected), and no other
-    listed = set((m.get("source") or {}).get("shards") or {})
-    for name in sorted(listed - set(m.get("shards") or {})):
-        c.fail(f"{name}: source.shards lists it, but shards has no output for it")
-    for name in sorted(set(m.get("shards") or {}) - listed):
-        c.fail(f"{name}: an output shard of no source shard in source.shards")
+    if m.get("complete") is True:  # every source shard has its output shard of the same name, and no other
+        listed = set((m.get("source") or {}).get("shards") or {})
+        for name in sorted(listed - set(m.get("shards") or {})):
+            c.fail(f"{name}: source.shards lists it, but shards has no output for it")
+        for name in sorted(set(m.get("shards") or {}) - listed):
+            c.fail(f"{name}: an output shard of no source shard in source.shards")
     c.summary = f"status {m.get('status')!r}, {m.get('tool')} {m.get('version')}, {len(m.get('shards') or {})} shards"
     return c
 
@@ -234,9 +234,9 @@ def _check_listing(d: _Dst, c: Check) -> list[str]:
             c.fail(f"{rel}: named by {MANIFEST} but missing")
         elif why := regular_problem(path):
             c.fail(f"{rel}: {why}")
-        elif os.path.getsize(path) != rec["bytes"]:
-            c.fail(f"{rel}: {os.path.getsize(path)} bytes, {MANIFEST} says {rec['bytes']}")
-        elif file_digest(path) != rec["digest"]:
+        elif os.path.getsize(path) != rec.get("bytes"):
+            c.fail(f"{rel}: {os.path.getsize(path)} bytes, {MANIFEST} says {rec.get('bytes')}")
+        elif file_digest(path) != rec.get("digest"):
             c.fail(f"{rel}: its digest does not match {MANIFEST}'s (edited after the conversion?)")
     return accepted(found, d.manifest)
 
@@ -636,7 +636,7 @@ def _short(value: Any, limit: int = 80) -> str:
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
-def _shard_problem(path: str, want: Expected, name: str, header: Header | None) -> str | None:
+def _shard_problem(path: str, want: Expected, name: str, header: Header) -> str | None:
     """Why DST's shard ``name`` is not laid out as SRC gives it (header bytes and size), or None."""
     layout = want.shards[name].layout
     with os.fdopen(open_regular(path), "rb") as f:
@@ -644,15 +644,23 @@ def _shard_problem(path: str, want: Expected, name: str, header: Header | None) 
         size = os.fstat(f.fileno()).st_size
     if head == layout.header and size == layout.file_size:
         return None
-    if header is not None:
-        have, expect = set(header.tensors), {t.name for t in layout.tensors}
-        for what, names in (("lacks", expect - have), ("holds the extra", have - expect)):
-            if names:
-                return f"{name}: {what} tensor(s) {', '.join(sorted(names)[:SHOWN_DIFFERENCES])}"
-        if diff := differences(header.metadata, layout.metadata, "metadata"):
-            return f"{name}: {diff[0]}"
+    have, expect = set(header.tensors), {t.name for t in layout.tensors}
+    for what, names in (("lacks", expect - have), ("holds the extra", have - expect)):
+        if names:
+            return f"{name}: {what} tensor(s) {', '.join(sorted(names)[:SHOWN_DIFFERENCES])}"
+    if diff := differences(header.metadata, layout.metadata, "metadata"):
+        return f"{name}: {diff[0]}"
     return f"{name}: {size} bytes, header of {len(head)}: SRC gives {layout.file_size} bytes and another " \
         "header (a tensor's dtype, shape, offset or order)"
+
+
+def _document_problem(name: str, raw: bytes, parsed: Any, want: Any) -> str | None:
+    """Why DST's JSON file ``name`` (its bytes, and as read) is not what SRC gives, naming fields."""
+    if raw == json_bytes(want):
+        return None
+    diff = (differences(parsed, want) if parsed is not None else []) or ["other bytes than SRC gives"]
+    more = f" (and {len(diff) - SHOWN_DIFFERENCES} more)" if len(diff) > SHOWN_DIFFERENCES else ""
+    return f"{name}: " + "; ".join(diff[:SHOWN_DIFFERENCES]) + more
 
 
 def _from_source(src: str, d: _Dst, files: list[str]) -> Check:
@@ -668,18 +676,22 @@ def _from_source(src: str, d: _Dst, files: list[str]) -> Check:
         c.fail(f"{name}: SRC gives it, DST lacks it")
     for name in sorted(have - want.names - set(BOOKKEEPING) - {README}):
         c.fail(f"{name}: in DST, but SRC gives no such file")
-    for name in sorted(have & set(want.shards)):
-        if why := _shard_problem(os.path.join(d.path, name), want, name, d.headers.get(name)):
-            c.fail(why)
-    for name, obj in want.documents.items():
+    parsed = {ckpt.INDEX: d.index, CONFIG: d.config}  # as _load read them (None: it said why)
+    for name in sorted(have & want.names):
         path = os.path.join(d.path, name)
-        if name in have and read_regular(path) != json_bytes(obj):
-            diff = differences(read_json(path), obj) or ["the same fields, other bytes (formatting)"]
-            more = f" (and {len(diff) - SHOWN_DIFFERENCES} more)" if len(diff) > SHOWN_DIFFERENCES else ""
-            c.fail(f"{name}: " + "; ".join(diff[:SHOWN_DIFFERENCES]) + more)
-    for target, rel in sorted(want.side_files.items()):
-        if target in have and file_digest(os.path.join(d.path, target)) != file_digest(os.path.join(src, rel)):
-            c.fail(f"{target}: differs from SRC's {rel} (side files are copied byte-identical)")
+        try:
+            if name in want.shards:  # an unreadable header: the files check says why
+                why = _shard_problem(path, want, name, d.headers[name]) if name in d.headers else None
+            elif name in want.documents:
+                why = _document_problem(name, read_regular(path), parsed.get(name), want.documents[name])
+            elif file_digest(path) != file_digest(os.path.join(src, want.side_files[name])):
+                why = f"{name}: differs from SRC's {want.side_files[name]} (side files are copied byte-identical)"
+            else:
+                why = None
+        except ConvertError as e:  # a FIFO or device in place of the file
+            why = str(e)
+        if why:
+            c.fail(why)
     c.summary = (f"{len(want.shards)} shard layout(s), {len(want.documents)} derived file(s), {len(want.side_files)} "
                  "side file(s) recomputed from SRC: the same, and nothing else")
     return c
