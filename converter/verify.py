@@ -1,11 +1,13 @@
 """Check a converted DST before anyone serves or uploads it: bytes, structure, activation, numbers.
 
 Three layers, each reported as a pass/fail line with the problems it found:
-checksums (every shard against the manifest), structure (index, config, tensor shapes and
-dtypes, SiTU stated everywhere a loader looks, the figure table), and, given the source,
-a re-decode of sampled experts through a path independent of the converter's own reader
-(``safetensors.safe_open`` + compressed-tensors' unpacker), whose error must match the
-figures the conversion recorded and whose groups must be exactly optimal.
+checksums (every shard against the manifest), structure (every file under DST named by the
+manifest with its recorded digest, index, config, tensor shapes and dtypes, SiTU stated
+everywhere a loader looks, the figure table), and, given the source, every file recomputed
+from SRC (``outputs.expected``, what finalize writes) and a re-decode of sampled experts
+through a path independent of the converter's own reader (``safetensors.safe_open`` +
+compressed-tensors' unpacker), whose error must match the figures the conversion recorded
+and whose groups must be exactly optimal.
 """
 from __future__ import annotations
 
