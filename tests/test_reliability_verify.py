@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from conftest import INDEX, MANIFEST, REPORT, TABLE, chunked_sha256, read_json, run_cli, shard_names, write_json
+from conftest import (INDEX, MANIFEST, REPORT, TABLE, chunked_sha256, load_shard, read_json, run_cli, shard_names,
+                      sync_index, write_json)
+from safetensors.torch import save_file
 
 from converter.verify import verify
 
@@ -153,6 +155,31 @@ def test_r8_a_removed_shard_with_its_traces_fails(converted, tmp_path):
     write_json(os.path.join(dst, MANIFEST), m)
     r = cli_verify(dst, converted.src)
     assert r.exit_code == 5 and shard in r.output, r.output
+
+
+@pytest.mark.parametrize("edit", ["drop a bf16 tensor", "shard metadata"])
+def test_r8_verify_source_holds_each_shard_to_the_layout_src_gives(converted, tmp_path, edit):
+    """Every module SRC gives, in its shard, with the shard's metadata: a passthrough tensor
+    removed (index, total_size and digests made to agree) or a metadata field changed fails."""
+    dst = copy_dst(converted, tmp_path)
+    wm = read_json(os.path.join(dst, INDEX))["weight_map"]
+    name = next(n for n in sorted(wm) if n.endswith("norm.weight"))
+    shard = wm[name]
+
+    def change(tensors, meta):
+        if edit == "drop a bf16 tensor":
+            del tensors[name]
+        else:
+            meta["quantization"] = "bf16"
+
+    tensors, meta = load_shard(os.path.join(dst, shard))
+    change(tensors, meta)
+    save_file(tensors, os.path.join(dst, shard), metadata=meta)
+    sync_index(dst)
+    restamp(dst, shard, INDEX)
+    r = cli_verify(dst, converted.src)
+    assert r.exit_code == 5, r.output
+    assert shard in r.output and (name if edit == "drop a bf16 tensor" else "metadata.quantization") in r.output, r.output
 
 
 # ------------------------------------------------------------------------------ R15: files nobody names
