@@ -218,12 +218,13 @@ def _check_listing(d: _Dst, c: Check) -> list[str]:
     Only files the walk found are opened: the manifest's names are untrusted."""
     found = listing(d.path)
     named = named_by(d.manifest)
-    if "files" not in d.manifest:
-        c.fail(f"{MANIFEST} records no files beside the shards (written by an older k3convert): "
-               "run `k3convert finalize DST` to record them")
-    for f in found.files:
-        if f not in named:
-            c.fail(f"{f}: a file that {MANIFEST} does not name (upload would publish it): remove it")
+    unnamed = [f for f in found.files if f not in named]
+    if "files" not in d.manifest:  # then no file beside the shards can be told from a stray one
+        c.fail(f"{MANIFEST} records no files beside the shards (written by an older k3convert): run "
+               f"`k3convert finalize DST` to record them ({len(unnamed)} file(s) unnamed)")
+    else:
+        c.problems += [f"{f}: a file that {MANIFEST} does not name (upload would publish it): remove it"
+                       for f in unnamed]
     for f in found.links:
         c.fail(f"{f} is a symlink (to {os.readlink(os.path.join(d.path, f))}): refusing what may lie outside DST")
     if found.temporaries:
@@ -694,8 +695,8 @@ def _from_source(src: str, d: _Dst, files: list[str]) -> Check:
             why = str(e)
         if why:
             c.fail(why)
-    c.summary = (f"{len(want.shards)} shard layout(s), {len(want.documents)} derived file(s), {len(want.side_files)} "
-                 "side file(s) recomputed from SRC: the same, and nothing else")
+    c.summary = (f"{len(want.shards)} shard layout(s), {len(want.documents)} derived file(s) and "
+                 f"{len(want.side_files)} side file(s) recomputed from SRC, compared with DST's, no other file")
     return c
 
 
