@@ -569,8 +569,7 @@ def _clean_dead_temporaries(dst: str, shards: list[str], written: set[str]) -> N
     under manifest.lock, held here, and every shard is done, so no run is writing one."""
     ours: dict[str, set[str]] = {}
     for rel in written:
-        ours.setdefault(os.path.dirname(rel), set()).add(os.path.basename(rel))
-    ours.setdefault("", set())
+        ours.setdefault(os.path.dirname(rel), set()).add(os.path.basename(rel))  # the manifest: DST itself
     for folder, names in ours.items():
         try:
             entries = os.listdir(os.path.join(dst, folder))

@@ -41,12 +41,13 @@ def restamp(dst: str, *rels: str) -> None:
         for table in ("shards", "files"):
             if rel in m.get(table, {}):
                 path = os.path.join(dst, rel)
-                m[table][rel] = {"bytes": os.path.getsize(path), "digest": chunked_sha256(path)}
+                m[table][rel].update(bytes=os.path.getsize(path), digest=chunked_sha256(path))
     write_json(os.path.join(dst, MANIFEST), m)
 
 
-def problems(dst: str, source: str | None = None) -> list[str]:
-    return verify(dst, source, None).problems
+def problems(dst: str) -> list[str]:
+    """What plain verify finds: DST against its own manifest."""
+    return verify(dst).problems
 
 
 def cli_verify(dst: str, source: str | None = None):
