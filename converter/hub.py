@@ -21,11 +21,11 @@ from .errors import BadInput, ConvertError, OutputError, VerifyFailed
 from .formats import checkpoint as ckpt
 from .manifest import MANIFEST, STATE_DIR, atomic_write, read_json
 from .outputs import accepted, listing
-from .plan import README_SOURCE, TEMPORARY
+from .plan import README_SOURCE
 from .safepath import read_regular
 from .verify import REPORT, verify
 
-IGNORE = [f"{STATE_DIR}/**", "*.partial"]  # state, unfinished shards; temporaries: see ignore_patterns
+IGNORE = [f"{STATE_DIR}/**", "*.partial"]  # never sent either way: what is sent is named (allow_patterns)
 README = "README.md"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -46,17 +46,6 @@ class UploadResult:
         return sum(n for _, n in self.files)
 
 
-def ignore_patterns(dst: str) -> list[str]:
-    """What the upload leaves out: IGNORE, and by exact name each file that ``plan.TEMPORARY``
-    (the one definition of our temporaries, ``.tmp`` alone included) calls ours: a glob cannot
-    say "``.tmp`` and only digits"."""
-    return _ignore(_files(dst))
-
-
-def _ignore(rel: list[str]) -> list[str]:
-    return IGNORE + [glob.escape(p) for p in rel if TEMPORARY.search(p)]
-
-
 def upload_files(dst: str) -> list[tuple[str, int]]:
     """Files of DST the upload sends, with sizes: those verify accepts (``outputs.accepted``)."""
     return _sized(dst, accepted(listing(dst), read_json(os.path.join(dst, MANIFEST)) or {}))
@@ -64,19 +53,6 @@ def upload_files(dst: str) -> list[tuple[str, int]]:
 
 def _sized(dst: str, names: list[str]) -> list[tuple[str, int]]:
     return [(p, os.path.getsize(os.path.join(dst, p))) for p in names]
-
-
-def _files(dst: str) -> list[str]:
-    """Every file under DST, relative, sorted; a symlink anywhere is refused (VerifyFailed)."""
-    rel = []
-    for d, dirs, files in os.walk(dst):
-        for f in dirs + files:  # os.walk lists a linked folder among dirs (and does not enter it)
-            path = os.path.join(d, f)
-            if os.path.islink(path):  # the upload would send whatever it points to
-                raise VerifyFailed(f"{os.path.relpath(path, dst)} is a symlink (to {os.readlink(path)}): "
-                                   "refusing to upload what may lie outside DST", file=dst)
-        rel += [os.path.relpath(os.path.join(d, f), dst).replace(os.sep, "/") for f in files]
-    return sorted(rel)
 
 
 # --------------------------------------------------------------------------- model card
@@ -300,14 +276,14 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
         if hasattr(api, "upload_large_folder"):  # huggingface_hub < 2: its resumable large-folder API
             result.method = "upload_large_folder"
             api.upload_large_folder(repo_id=repo_id, folder_path=dst, repo_type="model", revision=revision,
-                                    private=private, allow_patterns=allow, ignore_patterns=ignore_patterns(dst))
+                                    private=private, allow_patterns=allow, ignore_patterns=IGNORE)
         else:  # huggingface_hub >= 2: upload_folder is the resumable multi-commit path (with hf_xet)
             result.method = "upload_folder"
             if not _xet_available():
                 result.notes.append("hf_xet is not installed (or HF_HUB_DISABLE_XET is set): upload_folder made a "
                                     "single commit, which does not resume; `pip install hf_xet` for large uploads")
             api.upload_folder(repo_id=repo_id, folder_path=dst, repo_type="model", revision=revision,
-                              allow_patterns=allow, ignore_patterns=ignore_patterns(dst),
+                              allow_patterns=allow, ignore_patterns=IGNORE,
                               commit_message=f"int4 group-32 experts converted by k3convert {__version__}")
     except Exception as e:  # the Hub or the network: one line and how to resume; anything else is a bug
         network = type(e).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3")

@@ -928,7 +928,9 @@ def test_upload_leaves_out_every_temporary_plan_calls_ours(converted, tmp_path):
     api = _Api()
     upload(dst, "someone/k3-int4", api=api)
     everything = sorted(os.path.relpath(os.path.join(d, f), dst) for d, _, fs in os.walk(dst) for f in fs)
-    kept = list(filter_repo_objects(everything, ignore_patterns=api.calls[0]["ignore_patterns"]))
+    kw = api.calls[0]
+    kept = list(filter_repo_objects(everything, allow_patterns=kw["allow_patterns"],
+                                    ignore_patterns=kw["ignore_patterns"]))
     assert "sub/keep.tmp.json" in kept and not set(left) & set(kept), kept
 
 
