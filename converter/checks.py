@@ -40,6 +40,7 @@ class VerifyResult:
     checks: list[Check] = field(default_factory=list)
     decoder: str | None = None   # which int4 reader the re-decode used
     sampled: int = 0             # converted tensors re-decoded
+    files: list[str] = field(default_factory=list)  # DST's output files, as accepted: what upload sends
 
     @property
     def problems(self) -> list[str]:
@@ -61,6 +62,7 @@ class VerifyResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"dst": self.dst, "ok": self.ok, "decoder": self.decoder, "sampled": self.sampled,
+                "files": self.files,
                 "checks": [{"name": c.name, "status": c.status, "summary": c.summary, "problems": c.problems,
                             "notes": c.notes}
                            for c in self.checks]}

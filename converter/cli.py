@@ -254,7 +254,8 @@ def demo(ctx, workdir) -> None:
 @main.command("verify")
 @click.argument("dst", type=click.Path())
 @click.option("--source", "src", type=click.Path(), default=None,
-              help="The MXFP4 source: re-decode sampled experts from its bytes and compare with the recorded figures.")
+              help="The MXFP4 source: recompute every file DST must hold from it, and re-decode sampled experts "
+                   "from its bytes against the recorded figures.")
 @click.option("--sample", type=int, default=8, show_default=True, help="Converted tensors to re-decode (with --source).")
 @click.option("--all", "all_", is_flag=True, help="Re-decode every converted tensor (with --source; slow on the real model).")
 @click.option("--no-checksums", is_flag=True, help="Skip hashing the shards (structure checks only).")
@@ -265,8 +266,9 @@ def demo(ctx, workdir) -> None:
               help="Tensor-parallel size the server will run with (with --serving).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, as_json) -> None:
-    """Check a converted DST: checksums, structure, SiTU metadata, (with --source) the numbers,
-    and (with --serving) whether that server's int4 MoE path will load it at --tp.
+    """Check a converted DST: every file against the manifest, checksums, structure, SiTU metadata,
+    (with --source) every file against SRC and the numbers, and (with --serving) whether that
+    server's int4 MoE path will load it at --tp.
 
     Exit 0 when every check passes, 5 when one fails, 2 when DST or SRC cannot be read."""
     from .verify import verify

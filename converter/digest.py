@@ -54,6 +54,12 @@ def combine(chunks: list[bytes]) -> str:
     return hashlib.sha256(b"".join(chunks)).hexdigest()
 
 
+def bytes_digest(data: bytes) -> str:
+    """The digest ``file_digest`` gives a file holding ``data`` (a small file about to be written)."""
+    view = memoryview(data)
+    return combine([hashlib.sha256(view[s:s + CHUNK]).digest() for s in range(0, max(len(data), 1), CHUNK)])
+
+
 def file_digest(path: str) -> str:
     """The digest of a whole file, its chunks hashed in parallel."""
     fd = open_regular(path)  # a FIFO planted as a shard is refused, not waited on for ever

@@ -20,11 +20,12 @@ from . import __version__
 from .errors import BadInput, ConvertError, OutputError, VerifyFailed
 from .formats import checkpoint as ckpt
 from .manifest import MANIFEST, STATE_DIR, atomic_write, read_json
-from .plan import README_SOURCE, TEMPORARY
-from .safepath import open_regular
+from .outputs import accepted, listing
+from .plan import README_SOURCE
+from .safepath import read_regular
 from .verify import REPORT, verify
 
-IGNORE = [f"{STATE_DIR}/**", "*.partial"]  # state, unfinished shards; temporaries: see ignore_patterns
+IGNORE = [f"{STATE_DIR}/**", "*.partial"]  # never sent either way: what is sent is named (allow_patterns)
 README = "README.md"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -45,42 +46,13 @@ class UploadResult:
         return sum(n for _, n in self.files)
 
 
-def ignore_patterns(dst: str) -> list[str]:
-    """What the upload leaves out: IGNORE, and by exact name each file that ``plan.TEMPORARY``
-    (the one definition of our temporaries, ``.tmp`` alone included) calls ours: a glob cannot
-    say "``.tmp`` and only digits"."""
-    return _ignore(_files(dst))
-
-
-def _ignore(rel: list[str]) -> list[str]:
-    return IGNORE + [glob.escape(p) for p in rel if TEMPORARY.search(p)]
-
-
 def upload_files(dst: str) -> list[tuple[str, int]]:
-    """Files of DST the upload sends, with sizes, after the same filters huggingface_hub applies."""
-    from huggingface_hub.utils import filter_repo_objects
-
-    try:
-        from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
-    except ImportError:  # moved in some version: .git and the upload cache are all it holds
-        DEFAULT_IGNORE_PATTERNS = [".git", ".git/*", "*/.git", "**/.git/**", ".cache/huggingface",
-                                   ".cache/huggingface/*"]
-    rel = _files(dst)
-    keep = filter_repo_objects(rel, ignore_patterns=_ignore(rel) + list(DEFAULT_IGNORE_PATTERNS))
-    return [(p, os.path.getsize(os.path.join(dst, p))) for p in keep]
+    """Files of DST the upload sends, with sizes: those verify accepts (``outputs.accepted``)."""
+    return _sized(dst, accepted(listing(dst), read_json(os.path.join(dst, MANIFEST)) or {}))
 
 
-def _files(dst: str) -> list[str]:
-    """Every file under DST, relative, sorted; a symlink anywhere is refused (VerifyFailed)."""
-    rel = []
-    for d, dirs, files in os.walk(dst):
-        for f in dirs + files:  # os.walk lists a linked folder among dirs (and does not enter it)
-            path = os.path.join(d, f)
-            if os.path.islink(path):  # the upload would send whatever it points to
-                raise VerifyFailed(f"{os.path.relpath(path, dst)} is a symlink (to {os.readlink(path)}): "
-                                   "refusing to upload what may lie outside DST", file=dst)
-        rel += [os.path.relpath(os.path.join(d, f), dst).replace(os.sep, "/") for f in files]
-    return sorted(rel)
+def _sized(dst: str, names: list[str]) -> list[tuple[str, int]]:
+    return [(p, os.path.getsize(os.path.join(dst, p))) for p in names]
 
 
 # --------------------------------------------------------------------------- model card
@@ -228,8 +200,7 @@ def _read_regular(path: str) -> bytes | None:
     """A regular file's bytes; None if it is missing, unreadable or anything else (a FIFO is
     never waited on: the path may come from DST's manifest, which is untrusted)."""
     try:
-        with os.fdopen(open_regular(path), "rb") as f:
-            return f.read()
+        return read_regular(path)
     except (ConvertError, OSError):
         return None
 
@@ -269,26 +240,26 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
     if manifest.get("complete") is not True:
         raise VerifyFailed(f"the manifest says the conversion is not complete (status {manifest.get('status')!r}): "
                            "finish it before uploading", file=dst)
-    verify(dst, checksums=verify_checksums).raise_if_failed()
-
     readme_path = os.path.join(dst, README)
     src = (manifest.get("source") or {}).get("path")
     theirs = _read_regular(os.path.join(src, README)) if isinstance(src, str) and src else None  # read once
     if not dry_run and _source_card(dst, theirs) and not os.path.exists(os.path.join(dst, README_SOURCE)):
-        try:  # the source's card is not ours to publish
+        try:  # the source's card is not ours to publish: back to the name the manifest records it by
             os.replace(readme_path, os.path.join(dst, README_SOURCE))
         except OSError as e:
             raise OutputError(f"cannot rename README.md to {README_SOURCE}: {e.strerror}", file=dst) from None
-    files = upload_files(dst)
+    verified = verify(dst, checksums=verify_checksums)
+    verified.raise_if_failed()
+    files = _sized(dst, [p for p in verified.files if p != README])  # exactly what verify accepted
+    card = None
     if os.path.exists(readme_path) and not _source_card(dst, theirs):
         readme = "kept"
-    elif dry_run:
-        readme = "would write"
-        files = sorted([f for f in files if f[0] != README] + [(README, len(model_card(dst, base, repo_id).encode()))])
     else:
-        atomic_write(readme_path, model_card(dst, base, repo_id).encode())
-        readme = "written"
-        files = upload_files(dst)
+        card = model_card(dst, base, repo_id).encode()
+        readme = "would write" if dry_run else "written"
+        if not dry_run:
+            atomic_write(readme_path, card)
+    files = sorted(files + [(README, len(card) if card is not None else os.path.getsize(readme_path))])
     result = UploadResult(repo_id, revision, files, dry_run, readme)
     if dry_run:
         return result
@@ -297,6 +268,7 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
         from huggingface_hub import HfApi
         api = HfApi(endpoint=endpoint, token=token)
     from huggingface_hub.errors import HfHubHTTPError
+    allow = [glob.escape(p) for p, _ in files]  # by exact name: nothing verify did not accept
     try:
         result.url = str(api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True))
         if revision and revision != "main":
@@ -304,14 +276,14 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
         if hasattr(api, "upload_large_folder"):  # huggingface_hub < 2: its resumable large-folder API
             result.method = "upload_large_folder"
             api.upload_large_folder(repo_id=repo_id, folder_path=dst, repo_type="model", revision=revision,
-                                    private=private, ignore_patterns=ignore_patterns(dst))
+                                    private=private, allow_patterns=allow, ignore_patterns=IGNORE)
         else:  # huggingface_hub >= 2: upload_folder is the resumable multi-commit path (with hf_xet)
             result.method = "upload_folder"
             if not _xet_available():
                 result.notes.append("hf_xet is not installed (or HF_HUB_DISABLE_XET is set): upload_folder made a "
                                     "single commit, which does not resume; `pip install hf_xet` for large uploads")
             api.upload_folder(repo_id=repo_id, folder_path=dst, repo_type="model", revision=revision,
-                              ignore_patterns=ignore_patterns(dst),
+                              allow_patterns=allow, ignore_patterns=IGNORE,
                               commit_message=f"int4 group-32 experts converted by k3convert {__version__}")
     except Exception as e:  # the Hub or the network: one line and how to resume; anything else is a bug
         network = type(e).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -22,13 +23,14 @@ from typing import Any, Callable
 
 from . import __version__
 from .devices import gpu_count
-from .digest import ALGORITHM as DIGEST_ALGORITHM
+from .digest import ALGORITHM as DIGEST_ALGORITHM, bytes_digest, file_digest
 from .errors import BadInput, Interrupted, OutputError, ThresholdExceeded
 from .formats import checkpoint as ckpt
 from .formats.dialect import TARGET_FORMAT
 from .manifest import (LOCKS, MANIFEST, MANIFEST_LOCK, REPORT, RUN_LOCK, STATE_DIR, TENSOR_TABLE, DstLock, ShardLocks,
                        commit, copy_current, discard, file_fingerprint, json_bytes, read_json, read_rows, rows_bytes,
                        stage, stage_copy, state_file, write_json, write_rows)
+from .outputs import expected
 from .plan import TEMPORARY, Plan, ShardPlan, build_plan, side_file_target
 from .safepath import contains, dest_file, lock_file
 from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, OPTIMA, RULES as SCALE_RULES, recorded_rule
@@ -543,6 +545,42 @@ def _source_record(plan: Plan, run: dict) -> dict[str, Any]:
             "config": run["config"], "shards": run["shards"]}
 
 
+def _file_record(path: str) -> dict[str, Any]:
+    """A file's size and digest, as the manifest records every file written beside the shards."""
+    try:
+        return {"bytes": os.stat(path).st_size, "digest": file_digest(path)}
+    except OSError as e:
+        raise OutputError(f"cannot read: {e.strerror}", file=path) from None
+
+
+def _staged_record(dst: str, name: str, data: bytes, files: dict[str, dict[str, Any]]) -> tuple[str, str]:
+    """Stage ``data`` as DST's ``name`` and record its size and digest in ``files``."""
+    path = os.path.join(dst, name)
+    files[name] = {"bytes": len(data), "digest": bytes_digest(data)}
+    return stage(path, data), path
+
+
+_DEAD = re.compile(r"tmp\d*")  # the tail of a temporary's name (manifest.temp_name; plan.TEMPORARY)
+
+
+def _clean_dead_temporaries(dst: str, shards: list[str], written: set[str]) -> None:
+    """Remove what killed runs left of the files finalize writes (``NAME.tmpPID``, any pid) and of
+    the shards (``NAME.partial``). Safe without DST to itself: finalize writes those names only
+    under manifest.lock, held here, and every shard is done, so no run is writing one."""
+    ours: dict[str, set[str]] = {}
+    for rel in written:
+        ours.setdefault(os.path.dirname(rel), set()).add(os.path.basename(rel))  # the manifest: DST itself
+    for folder, names in ours.items():
+        try:
+            entries = os.listdir(os.path.join(dst, folder))
+        except OSError:
+            continue
+        for e in entries:
+            stem, _, tail = e.rpartition(".")
+            if stem in names and _DEAD.fullmatch(tail) or not folder and stem in shards and tail == "partial":
+                discard(os.path.join(dst, folder, e))
+
+
 def _rule_record(rule: str, figs: list[TensorFigures]) -> dict[str, Any]:
     """The report's scale rule and the other rule's figures on the same weights (docs/maths.md)."""
     cmp = [r.cmp_rel_rmse for r in figs if r.cmp_rel_rmse is not None]
@@ -578,26 +616,24 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
     # last: a failure (a full disk, no inodes) on the way leaves no config or index that looks
     # like a finished checkpoint, and no temporary
     staged: list[tuple[str, str]] = []
+    files: dict[str, dict[str, Any]] = {}  # every file written beside the shards: bytes and digest
     if all_done or failed:  # DERIVED is replaced: an old "complete" must not stand over a half-replaced set
         _reset_complete(dst)  # (before staging: it writes the manifest through the same temporary name)
     try:
         if all_done and not failed:
-            for rel in plan.other_files:
-                out = dest_file(dst, side_file_target(rel))
-                if copy_current(os.path.join(plan.src, rel), out):  # a rerun: bytes_needed did not count it
+            want = expected(plan, options.scale_rule)
+            for target, rel in want.side_files.items():
+                src, out = os.path.join(plan.src, rel), dest_file(dst, target)
+                files[target] = _file_record(src)  # the source's bytes: a copy that differs fails verify
+                if copy_current(src, out):  # a rerun: bytes_needed did not count it
                     continue
                 _makedirs(os.path.dirname(out))
-                staged.append((stage_copy(os.path.join(plan.src, rel), out), out))
-            total = sum(t.nbytes for s in plan.shards for t in s.layout.tensors)
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(plan.weight_map().items()))}
-            config = plan.output_config(options.scale_rule)
-            for p, obj in ((os.path.join(dst, ckpt.INDEX), index), (os.path.join(dst, "config.json"), config)):
-                staged.append((stage(p, json_bytes(obj)), p))
+                staged.append((stage_copy(src, out), out))
+            for name, obj in want.documents.items():
+                staged.append(_staged_record(dst, name, json_bytes(obj), files))
         if all_done or failed:
-            table = os.path.join(dst, TENSOR_TABLE)
-            staged.append((stage(table, rows_bytes(rows)), table))
-            report = os.path.join(dst, REPORT)
-            staged.append((stage(report, json_bytes({
+            staged.append(_staged_record(dst, TENSOR_TABLE, rows_bytes(rows), files))
+            staged.append(_staged_record(dst, REPORT, json_bytes({
                 "tool": "k3convert", "version": __version__, "source": plan.src, "status": status,
                 "profile": source["profile"], "quantization": source["quantization"],
                 "dropped_tensors": plan.dropped, "source_format": source_format, "target_format": TARGET_FORMAT,
@@ -605,7 +641,8 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
                 "worst": summary.worst, "rel_rmse_mean": mean(r.rel_rmse for r in figs),
                 **_rule_record(options.scale_rule, figs),
                 "tensor_table": TENSOR_TABLE, "layers": summary.layers,
-            })), report))
+            }), files))
+        manifest["files"] = dict(sorted(files.items()))
         if all_done and not failed:
             manifest["complete"] = True
             manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -618,4 +655,6 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
     # renamed before the manifest failed: what would look like a finished checkpoint goes
     commit(staged, undo={os.path.join(dst, n) for n in DERIVED})
     summary.complete = manifest["complete"]
+    if summary.complete:
+        _clean_dead_temporaries(dst, [s.name for s in plan.shards], set(files) | {MANIFEST})
     return summary

@@ -132,6 +132,12 @@ def open_regular(path: str, missing_ok: bool = False) -> int:
     return fd
 
 
+def read_regular(path: str) -> bytes:
+    """A regular file's bytes (``open_regular``: a FIFO or device is refused, never waited on)."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        return f.read()
+
+
 def _ids(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(path)

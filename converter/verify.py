@@ -1,11 +1,13 @@
 """Check a converted DST before anyone serves or uploads it: bytes, structure, activation, numbers.
 
 Three layers, each reported as a pass/fail line with the problems it found:
-checksums (every shard against the manifest), structure (index, config, tensor shapes and
-dtypes, SiTU stated everywhere a loader looks, the figure table), and, given the source,
-a re-decode of sampled experts through a path independent of the converter's own reader
-(``safetensors.safe_open`` + compressed-tensors' unpacker), whose error must match the
-figures the conversion recorded and whose groups must be exactly optimal.
+checksums (every shard against the manifest), structure (every file under DST named by the
+manifest with its recorded digest, index, config, tensor shapes and dtypes, SiTU stated
+everywhere a loader looks, the figure table), and, given the source, every file recomputed
+from SRC (``outputs.expected``, what finalize writes) and a re-decode of sampled experts
+through a path independent of the converter's own reader (``safetensors.safe_open`` +
+compressed-tensors' unpacker), whose error must match the figures the conversion recorded
+and whose groups must be exactly optimal.
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ from .formats.safetensors_io import Header, TensorInfo, read_header
 from .digest import ALGORITHM as DIGEST_ALGORITHM, file_digest
 from .formats.dialect import EXPERT_TARGET, TARGET_FORMAT
 from .formats.json_input import ListOf, MapOf, Nullable, type_problems
-from .manifest import MANIFEST, REPORT, TENSOR_TABLE, read_json, read_rows
-from .safepath import plain_name
-from .plan import PACKED, SCALE, SHAPE
+from .manifest import MANIFEST, REPORT, TENSOR_TABLE, json_bytes, read_json, read_rows
+from .outputs import BOOKKEEPING, CONFIG, Expected, accepted, expected, listing, named_by
+from .safepath import open_regular, plain_name, read_regular, regular_problem
+from .plan import PACKED, README, SCALE, SHAPE, build_plan
 from .quant.rules import OPTIMA, RULE_KEY, RULES as SCALE_RULES, recorded_rule
 from .serving import serving_check
 from .validate import error_ratio, ratio_line
@@ -47,6 +50,7 @@ MANIFEST_TYPES = {
     "source": {"path": str, "shards": MapOf(_FINGERPRINT), "profile": dict,
                "quantization": {"dialect": str, "packed_suffix": str, "scale_bias": int, "blocks": ListOf(str)}},
     "shards": MapOf({"bytes": int, "digest": str}),
+    "files": MapOf({"bytes": int, "digest": str}),
 }
 INDEX_TYPES = {"metadata": {"total_size": int}, "weight_map": MapOf(str)}
 CONFIG_TYPES = {"text_config": Nullable(dict)}
@@ -171,9 +175,12 @@ def _check_manifest(d: _Dst) -> Check:
     if dialect not in ckpt.DIALECTS or m.get("source_format") != f"{dialect} MXFP4":
         c.fail(f"source_format is {m.get('source_format')!r}, source.quantization.dialect {dialect!r}: "
                f"expected one of {', '.join(repr(f'{n} MXFP4') for n in sorted(ckpt.DIALECTS))}, naming the dialect")
-    leftovers = sorted(f for f in os.listdir(d.path) if f.endswith(".partial"))
-    if leftovers:
-        c.notes.append(f"unfinished file(s) of an interrupted run, not part of the output: {', '.join(leftovers)}")
+    if m.get("complete") is True:  # every source shard has its output shard of the same name, and no other
+        listed = set((m.get("source") or {}).get("shards") or {})
+        for name in sorted(listed - set(m.get("shards") or {})):
+            c.fail(f"{name}: source.shards lists it, but shards has no output for it")
+        for name in sorted(set(m.get("shards") or {}) - listed):
+            c.fail(f"{name}: an output shard of no source shard in source.shards")
     c.summary = f"status {m.get('status')!r}, {m.get('tool')} {m.get('version')}, {len(m.get('shards') or {})} shards"
     return c
 
@@ -202,6 +209,39 @@ def _check_checksums(d: _Dst, workers: int) -> Check:
     total = sum(int(r.get("bytes") or 0) for r in shards.values())
     c.summary = f"{len(shards)} shard(s), {total / 1e9:.3f} GB: digests (chunked SHA-256) and sizes against the manifest"
     return c
+
+
+def _check_listing(d: _Dst, c: Check) -> list[str]:
+    """Every file under DST against the manifest (``outputs.listing``): one it does not name fails
+    (upload would publish it), a temporary is named, not failed (upload never sends one), and
+    each file it records beside the shards has its size and digest. Returns the accepted files.
+    Only files the walk found are opened: the manifest's names are untrusted."""
+    found = listing(d.path)
+    named = named_by(d.manifest)
+    unnamed = [f for f in found.files if f not in named]
+    if "files" not in d.manifest:  # then no file beside the shards can be told from a stray one
+        c.fail(f"{MANIFEST} records no files beside the shards (written by an older k3convert): run "
+               f"`k3convert finalize DST` to record them ({len(unnamed)} file(s) unnamed)")
+    else:
+        c.problems += [f"{f}: a file that {MANIFEST} does not name (upload would publish it): remove it"
+                       for f in unnamed]
+    for f in found.links:
+        c.fail(f"{f} is a symlink (to {os.readlink(os.path.join(d.path, f))}): refusing what may lie outside DST")
+    if found.temporaries:
+        c.notes.append(f"left by an interrupted run, not part of the output (never uploaded; the finalize that "
+                       f"completes DST removes them): {', '.join(found.temporaries)}")
+    present = set(found.files)
+    for rel, rec in sorted((d.manifest.get("files") or {}).items()):
+        path = os.path.join(d.path, rel)
+        if rel not in present:
+            c.fail(f"{rel}: named by {MANIFEST} but missing")
+        elif why := regular_problem(path):
+            c.fail(f"{rel}: {why}")
+        elif os.path.getsize(path) != rec.get("bytes"):
+            c.fail(f"{rel}: {os.path.getsize(path)} bytes, {MANIFEST} says {rec.get('bytes')}")
+        elif file_digest(path) != rec.get("digest"):
+            c.fail(f"{rel}: its digest does not match {MANIFEST}'s (edited after the conversion?)")
+    return accepted(found, d.manifest)
 
 
 # --------------------------------------------------------------------------- (b) structure
@@ -580,6 +620,93 @@ def _has_minus_8(words: torch.Tensor) -> bool:
     return bool(((b & 15) == 0).any() or ((b >> 4) == 0).any())
 
 
+SHOWN_DIFFERENCES = 5  # field differences named per file
+
+
+def differences(got: Any, want: Any, path: str = "") -> list[str]:
+    """Where a JSON value read from DST differs from the one SRC gives, as dotted field paths."""
+    if got == want:
+        return []
+    if isinstance(got, dict) and isinstance(want, dict):
+        out = []
+        for k in sorted(set(got) | set(want), key=str):
+            p = f"{path}.{k}" if path else str(k)
+            if k not in got:
+                out.append(f"{p} is missing, SRC gives {_short(want[k])}")
+            elif k not in want:
+                out.append(f"{p} is {_short(got[k])}, SRC gives no such field")
+            else:
+                out += differences(got[k], want[k], p)
+        return out
+    return [f"{path or 'the document'} is {_short(got)}, SRC gives {_short(want)}"]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _shard_problem(path: str, want: Expected, name: str, header: Header) -> str | None:
+    """Why DST's shard ``name`` is not laid out as SRC gives it (header bytes and size), or None."""
+    layout = want.shards[name].layout
+    with os.fdopen(open_regular(path), "rb") as f:
+        head = f.read(len(layout.header))
+        size = os.fstat(f.fileno()).st_size
+    if head == layout.header and size == layout.file_size:
+        return None
+    have, expect = set(header.tensors), {t.name for t in layout.tensors}
+    for what, names in (("lacks", expect - have), ("holds the extra", have - expect)):
+        if names:
+            return f"{name}: {what} tensor(s) {', '.join(sorted(names)[:SHOWN_DIFFERENCES])}"
+    if diff := differences(header.metadata, layout.metadata, "metadata"):
+        return f"{name}: {diff[0]}"
+    return f"{name}: {size} bytes, header of {len(head)}: SRC gives {layout.file_size} bytes and another " \
+        "header (a tensor's dtype, shape, offset or order)"
+
+
+def _document_problem(name: str, raw: bytes, parsed: Any, want: Any) -> str | None:
+    """Why DST's JSON file ``name`` (its bytes, and as read) is not what SRC gives, naming fields."""
+    if raw == json_bytes(want):
+        return None
+    diff = (differences(parsed, want) if parsed is not None else []) or ["other bytes than SRC gives"]
+    more = f" (and {len(diff) - SHOWN_DIFFERENCES} more)" if len(diff) > SHOWN_DIFFERENCES else ""
+    return f"{name}: " + "; ".join(diff[:SHOWN_DIFFERENCES]) + more
+
+
+def _from_source(src: str, d: _Dst, files: list[str]) -> Check:
+    """Recompute from SRC what DST must hold (``outputs.expected``, the list finalize writes) and
+    compare every file: each shard's header and size, config.json and the index byte for byte
+    (naming the fields that differ), each side file byte for byte, and no file besides."""
+    c = Check("from source")
+    opts = d.manifest.get("options") or {}
+    plan = build_plan(src, opts.get("profile"), bool(opts.get("drop_activation_quant")))  # BadInput: exit 2
+    want = expected(plan, scale_rule(d))
+    have = set(files)
+    for name in sorted(want.names - have):
+        c.fail(f"{name}: SRC gives it, DST lacks it")
+    for name in sorted(have - want.names - set(BOOKKEEPING) - {README}):
+        c.fail(f"{name}: in DST, but SRC gives no such file")
+    parsed = {ckpt.INDEX: d.index, CONFIG: d.config}  # as _load read them (None: it said why)
+    for name in sorted(have & want.names):
+        path = os.path.join(d.path, name)
+        try:
+            if name in want.shards:  # an unreadable header: the files check says why
+                why = _shard_problem(path, want, name, d.headers[name]) if name in d.headers else None
+            elif name in want.documents:
+                why = _document_problem(name, read_regular(path), parsed.get(name), want.documents[name])
+            elif file_digest(path) != file_digest(os.path.join(src, want.side_files[name])):
+                why = f"{name}: differs from SRC's {want.side_files[name]} (side files are copied byte-identical)"
+            else:
+                why = None
+        except ConvertError as e:  # a FIFO or device in place of the file
+            why = str(e)
+        if why:
+            c.fail(why)
+    c.summary = (f"{len(want.shards)} shard layout(s), {len(want.documents)} derived file(s) and "
+                 f"{len(want.side_files)} side file(s) recomputed from SRC, compared with DST's, no other file")
+    return c
+
+
 def _source_identity(src: str, d: _Dst) -> Check:
     c = Check("source")
     recorded = (d.manifest.get("source") or {}).get("shards") or {}
@@ -751,7 +878,9 @@ def verify(dst: str, source: str | None = None, sample: int | None = 8, *, check
         result.checks.append(_check_checksums(d, workers))
     else:
         result.checks.append(Check("checksums", "not computed (structure only)", skipped=True))
-    files.summary = f"{len(d.headers)} shard(s) with readable safetensors headers"
+    result.files = _check_listing(d, files)
+    files.summary = (f"{len(result.files)} file(s), each named by the manifest; {len(d.headers)} shard(s) with "
+                     "readable safetensors headers")
     _check_index(d, index)
     result.checks += [files, index, _check_config(d, config), _check_tensors(d), _check_situ(d)]
     figs, rows = _check_figures(d)
@@ -760,6 +889,7 @@ def verify(dst: str, source: str | None = None, sample: int | None = 8, *, check
         src = os.path.abspath(source)
         if not os.path.isdir(src):
             raise BadInput("not a directory", file=src)
+        result.checks.append(_from_source(src, d, result.files))
         result.checks += _redecode(src, d, rows, sample, result)
     else:
         where = (d.manifest.get("source") or {}).get("path")

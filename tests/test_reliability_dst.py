@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (INDEX, MANIFEST, REPORT, TABLE, assert_clean_error, assert_not_complete, read_json,
-                      rewrite_shard, run_cli, shard_names, tree_hash, write_json)
+from conftest import (INDEX, MANIFEST, REPORT, TABLE, assert_clean_error, assert_not_complete, chunked_sha256,
+                      read_json, rewrite_shard, run_cli, shard_names, tree_hash, write_json)
 
 from converter import manifest as manifest_mod
 from converter import pipeline
@@ -919,13 +919,18 @@ def test_upload_leaves_out_every_temporary_plan_calls_ours(converted, tmp_path):
     left = ["config.json.tmp", "config.json.tmp77", "sub/x.json.tmp", "a[1].tmp", "s.safetensors.partial"]
     for rel in left + ["sub/keep.tmp.json"]:
         open(os.path.join(dst, rel), "wb").close()
+    m = read_json(os.path.join(dst, MANIFEST))  # a side file of that name: named by the manifest, so sent
+    m["files"]["sub/keep.tmp.json"] = {"bytes": 0, "digest": chunked_sha256(os.path.join(dst, "sub/keep.tmp.json"))}
+    write_json(os.path.join(dst, MANIFEST), m)
     assert all(OURS.search(p) for p in left)
     sent = [p for p, _ in upload_files(dst)]
     assert "sub/keep.tmp.json" in sent and not set(left) & set(sent), sent
     api = _Api()
     upload(dst, "someone/k3-int4", api=api)
     everything = sorted(os.path.relpath(os.path.join(d, f), dst) for d, _, fs in os.walk(dst) for f in fs)
-    kept = list(filter_repo_objects(everything, ignore_patterns=api.calls[0]["ignore_patterns"]))
+    kw = api.calls[0]
+    kept = list(filter_repo_objects(everything, allow_patterns=kw["allow_patterns"],
+                                    ignore_patterns=kw["ignore_patterns"]))
     assert "sub/keep.tmp.json" in kept and not set(left) & set(kept), kept
 
 

@@ -384,8 +384,9 @@ def test_cli_serving_config_failure_json(dst):
     checks = {c["name"]: c for c in json.loads(r.output)["checks"]}
     assert checks["serving"]["status"] == "FAIL"
     assert [p.split(":")[0] for p in checks["serving"]["problems"]] == ["rule actorder", "rule kernel"]
-    # verify's own config check refuses actorder too; the others see nothing wrong
-    assert all(c["status"] != "FAIL" for name, c in checks.items() if name not in ("serving", "config"))
+    # verify's own config check refuses actorder too, and the files check config.json's recorded digest;
+    # the others see nothing wrong
+    assert all(c["status"] != "FAIL" for name, c in checks.items() if name not in ("serving", "config", "files"))
 
 
 def test_cli_tp_without_serving_is_refused(converted):

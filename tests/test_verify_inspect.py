@@ -188,7 +188,7 @@ def test_nested_block_left_as_mxfp4_fails(dst, converted):
     cfg["text_config"]["quantization_config"] = src_cfg["text_config"]["quantization_config"]
     write_json(os.path.join(dst, "config.json"), cfg)
     r = verify(dst)
-    assert _failed(r) == {"config"}
+    assert _failed(r) == {"config", "files"}  # files: config.json's digest in the manifest
     assert r.check("config").problems == ["text_config.quantization_config still describes MXFP4"]
 
 
@@ -237,7 +237,7 @@ def test_table_figure_off_by_1e_4_is_caught(dst, converted):
     rows[7]["rel_rmse"] *= 1 + 1e-4
     write_rows(path, rows)
     r = verify(dst, converted[0], sample=None, checksums=False)
-    assert _failed(r) == {"re-decode"}
+    assert _failed(r) == {"files", "re-decode"}  # files: the table's digest in the manifest
     assert any(rows[7]["name"] in p for p in r.check("re-decode").problems)
 
 
