@@ -1,0 +1,95 @@
+"""Defects of the second adversarial pass (/work/shared/RELIABILITY.md "Pass 2", main 6a29357) that
+concern what a conversion is (its identity) and what SRC is: each test failed on 6a29357.
+docs/reliability.md maps each to its mechanism.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from converter.manifest import MANIFEST, read_json
+
+from conftest import assert_clean_error, run_cli
+
+
+def manifest(dst: str) -> dict:
+    return read_json(os.path.join(dst, MANIFEST)) or {}
+
+
+# ---------------------------------------------------------------- R1: the threshold is part of the run
+
+def test_r1_finalize_judges_with_the_recorded_threshold(src_copy, tmp_path):
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--max-rel-rmse", "0.01", "--progress", "none")
+    assert r.exit_code == 3, r.output
+    r = run_cli("finalize", dst)
+    assert r.exit_code == 3, r.output
+    assert manifest(dst).get("complete") is not True and manifest(dst).get("status") == "failed-validation"
+
+
+def test_r1_a_part_with_another_threshold_is_refused_naming_both_values(src_copy, tmp_path):
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--max-rel-rmse", "0.01", "--part", "1/3", "--progress", "none")
+    assert r.exit_code == 3, r.output
+    r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--part", "2/3", "--progress", "none")
+    assert_clean_error(r, "--max-rel-rmse 0.01 (recorded) vs 0.15", dst, code=4)
+
+
+# ---------------------------------------------------------------- R2: an in-place edit is seen on resume
+
+def test_r2_in_place_edit_with_size_and_mtime_restored_is_refused(src_copy, tmp_path):
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--shards", "1", "--progress", "none")
+    assert r.exit_code == 0, r.output
+    shard = sorted(f for f in os.listdir(src_copy) if f.endswith(".safetensors"))[0]
+    path = os.path.join(src_copy, shard)
+    st = os.stat(path)
+    with open(path, "r+b") as f:                    # flip one byte in the middle, keep the size
+        f.seek(st.st_size // 2)
+        b = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--progress", "none")
+    assert_clean_error(r, f"source files changed: {shard} changed", code=4)
+
+
+# ---------------------------------------------------------------- R3: finalize compares SRC with run.json
+
+def test_r3_finalize_refuses_a_changed_source(src_copy, tmp_path):
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--shards", "1", "--progress", "none")
+    assert r.exit_code == 0, r.output
+    shard = sorted(f for f in os.listdir(src_copy) if f.endswith(".safetensors"))[-1]
+    path = os.path.join(src_copy, shard)
+    data = open(path, "rb").read()
+    os.unlink(path)
+    with open(path, "wb") as f:                     # the same bytes, another file
+        f.write(data)
+    r = run_cli("finalize", dst)
+    assert_clean_error(r, f"no longer matches (source files changed: {shard} changed)", dst, code=4)
+    assert manifest(dst).get("complete") is not True
+
+
+def test_r3_finalize_of_an_unchanged_source_completes(src_copy, tmp_path):
+    dst = str(tmp_path / "dst")
+    for part in ("1/2", "2/2"):
+        r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--part", part, "--progress", "none")
+        assert r.exit_code == 0, r.output
+    r = run_cli("finalize", dst)
+    assert r.exit_code == 0, r.output
+    assert manifest(dst).get("complete") is True
+
+
+def test_identity_records_every_option_that_changes_dst(src_copy, tmp_path):
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--shards", "1", "--sample-experts", "2", "--progress", "none")
+    assert r.exit_code == 0, r.output
+    run = json.load(open(os.path.join(dst, ".k3convert", "run.json")))
+    assert set(run["options"]) >= {"version", "sample_experts", "profile", "drop_activation_quant",
+                                   "scale_rule", "max_rel_rmse"}
+    assert {"dev", "inode", "ctime_ns"} <= set(next(iter(run["shards"].values())))
+    r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--progress", "none")
+    assert_clean_error(r, "--sample-experts 2 (recorded) vs 4", code=4)
