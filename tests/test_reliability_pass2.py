@@ -8,10 +8,11 @@ import json
 import os
 
 import pytest
+import torch
 
 from converter.manifest import MANIFEST, read_json
 
-from conftest import assert_clean_error, run_cli
+from conftest import assert_clean_error, expert_modules, rewrite_shard, run_cli, shard_names, sync_index
 
 
 def manifest(dst: str) -> dict:
@@ -93,3 +94,23 @@ def test_identity_records_every_option_that_changes_dst(src_copy, tmp_path):
     assert {"dev", "inode", "ctime_ns"} <= set(next(iter(run["shards"].values())))
     r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--progress", "none")
     assert_clean_error(r, "--sample-experts 2 (recorded) vs 4", code=4)
+
+
+# ---------------------------------------------------------------- R4, R5: collisions refused in preflight
+
+@pytest.mark.parametrize("suffix,dtype,same_shard", [
+    ("weight_shape", torch.int64, True), ("weight_shape", torch.int64, False),   # R4
+    ("weight", torch.bfloat16, True), ("weight", torch.bfloat16, False),         # R5
+])
+def test_r4_r5_a_tensor_colliding_with_a_converted_module_is_refused(src_copy, tmp_path, suffix, dtype, same_shard):
+    module, shard = next(iter(sorted(expert_modules(src_copy).items())))
+    shards = shard_names(src_copy)
+    target = shard if same_shard else next(s for s in shards if s != shard)
+    stray = torch.tensor([3, 4], dtype=dtype) if suffix == "weight_shape" else torch.zeros(4, 4, dtype=dtype)
+    rewrite_shard(os.path.join(src_copy, target), lambda t: t.__setitem__(f"{module}.{suffix}", stray))
+    sync_index(src_copy)
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--progress", "none")
+    assert_clean_error(r, os.path.join(src_copy, target), f"tensor {module}.{suffix}", "beside the MXFP4 pair",
+                       code=2)
+    assert not os.path.exists(dst)
