@@ -10,6 +10,7 @@ which reads the scale from the other shard by offset (docs/decisions.md).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -164,11 +165,16 @@ class Plan:
         return self.source.int4_config(self.config, converted, kept, rule)
 
 
+def metadata_value(v: Any) -> str:
+    """An activation field as shard metadata (strings only): a name as it is, a number or null as JSON."""
+    return v if isinstance(v, str) else json.dumps(v)
+
+
 def shard_metadata(source: dict[str, str], activation: dict[str, Any], what: str) -> dict[str, str]:
     """Each output shard states the format, the tool and the activation (SPEC §4)."""
     meta = dict(source)
     meta.setdefault("format", "pt")
-    meta.update({k: str(v) for k, v in activation.items()})
+    meta.update({k: metadata_value(v) for k, v in activation.items()})
     meta["quantization"] = f"compressed-tensors pack-quantized int4 group 32 ({what})"
     meta["converted_by"] = f"k3convert {__version__}"
     return meta

@@ -26,7 +26,7 @@ from .formats.dialect import EXPERT_TARGET, TARGET_FORMAT
 from .formats.json_input import ListOf, MapOf, Nullable, type_problems
 from .manifest import MANIFEST, REPORT, TENSOR_TABLE, read_json, read_rows
 from .safepath import plain_name
-from .plan import PACKED, SCALE, SHAPE
+from .plan import PACKED, SCALE, SHAPE, metadata_value
 from .quant.rules import RULE_KEY, RULES as SCALE_RULES, recorded_rule
 from .serving import serving_check
 from .validate import error_ratio, ratio_line
@@ -447,7 +447,7 @@ def _check_situ(d: _Dst) -> Check:
         return c
     for shard, h in sorted(d.headers.items()):
         for k, v in act.items():
-            if h.metadata.get(k) != str(v):
+            if h.metadata.get(k) != metadata_value(v):
                 c.fail(f"{shard}: metadata {k} is {h.metadata.get(k)!r}, config says {v!r}")
     mact = d.manifest.get("activation") or {}
     for k, v in act.items():

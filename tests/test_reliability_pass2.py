@@ -114,3 +114,41 @@ def test_r4_r5_a_tensor_colliding_with_a_converted_module_is_refused(src_copy, t
     assert_clean_error(r, os.path.join(src_copy, target), f"tensor {module}.{suffix}", "beside the MXFP4 pair",
                        code=2)
     assert not os.path.exists(dst)
+
+
+# ---------------------------------------------------------------- R13: SiTU fields are type-checked
+
+@pytest.mark.parametrize("key,value", [("activation_situ_beta", "4.0"), ("activation_situ_beta", None),
+                                       ("activation_situ_beta", True), ("hidden_act", ["situ"]),
+                                       ("activation_situ_linear_beta", "25")])
+def test_r13_activation_fields_of_the_wrong_type_are_refused(src_copy, tmp_path, key, value):
+    path = os.path.join(src_copy, "config.json")
+    cfg = json.load(open(path))
+    cfg["text_config"][key] = value
+    json.dump(cfg, open(path, "w"))
+    r = run_cli("mxfp4-to-int4", src_copy, "-o", str(tmp_path / "dst"), "--progress", "none")
+    assert_clean_error(r, path, f"text_config.{key} is {value!r}", "wrong type", code=2)
+
+
+def test_r13_a_null_linear_beta_is_a_stated_value(src_copy, tmp_path):
+    """vLLM's SituAndMul takes linear_beta None (no clipping): a stated null converts."""
+    path = os.path.join(src_copy, "config.json")
+    cfg = json.load(open(path))
+    cfg["text_config"]["activation_situ_linear_beta"] = None
+    json.dump(cfg, open(path, "w"))
+    r = run_cli("mxfp4-to-int4", src_copy, "-o", str(tmp_path / "dst"), "--progress", "none")
+    assert r.exit_code == 0, r.output
+
+
+def test_r13_shard_metadata_states_null_as_json(src_copy, tmp_path):
+    path = os.path.join(src_copy, "config.json")
+    cfg = json.load(open(path))
+    cfg["text_config"]["activation_situ_linear_beta"] = None
+    json.dump(cfg, open(path, "w"))
+    dst = str(tmp_path / "dst")
+    assert run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--progress", "none").exit_code == 0
+    from safetensors import safe_open
+    with safe_open(os.path.join(dst, shard_names(dst)[0]), "pt") as f:
+        meta = f.metadata()
+    assert meta["activation_situ_linear_beta"] == "null" and meta["activation_situ_beta"] == "4.0"
+    assert run_cli("verify", dst).exit_code == 0
