@@ -29,6 +29,7 @@ from .formats.dialect import TARGET_FORMAT
 from .manifest import (LOCKS, MANIFEST, MANIFEST_LOCK, REPORT, RUN_LOCK, STATE_DIR, TENSOR_TABLE, DstLock, ShardLocks,
                        commit, copy_current, discard, file_fingerprint, json_bytes, read_json, read_rows, rows_bytes,
                        source_fingerprint, stage, stage_copy, state_file, write_json, write_rows)
+from .profiles import MAX_EXPERTS
 from .plan import TEMPORARY, Plan, ShardPlan, build_plan, side_file_target
 from .safepath import contains, dest_file, lock_file
 from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, RULES as SCALE_RULES, recorded_rule
@@ -75,6 +76,9 @@ class Options:
         x = self.max_rel_rmse
         if not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
             raise BadInput(f"--max-rel-rmse {x}: expected a finite number >= 0")
+        n = self.sample_experts
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_EXPERTS:
+            raise BadInput(f"--sample-experts {n!r}: expected a whole number from 0 to {MAX_EXPERTS}")
         if self.scale_rule not in SCALE_RULES:
             raise BadInput(f"--scale-rule {self.scale_rule!r}: expected one of {', '.join(SCALE_RULES)}")
 

@@ -152,3 +152,58 @@ def test_r13_shard_metadata_states_null_as_json(src_copy, tmp_path):
         meta = f.metadata()
     assert meta["activation_situ_linear_beta"] == "null" and meta["activation_situ_beta"] == "4.0"
     assert run_cli("verify", dst).exit_code == 0
+
+
+# ---------------------------------------------------------------- R10, R12: job files typed as the CLI
+
+@pytest.mark.parametrize("line,named", [
+    ("dry-run = 1", "expected true or false"),                     # R10
+    ("output = 5", "expected a string"),
+    ("output = 1979-05-27", "a date or time"),
+    ("max-rel-rmse = true", "expected a value, not true/false"),   # R12
+    ("[[output]]\npath = 'dst2'", "a list, where one value is expected"),
+    ("max-rel-rmse = 0.2\nmax_rel_rmse = 0.3", "are the same option"),
+    ("sample-experts = 2.5", "expected a whole number"),
+])
+def test_r10_r12_job_file_values_are_typed_as_the_command_line(fixture_src, tmp_path, line, named):
+    job = tmp_path / "job.toml"
+    job.write_text(f'src = "{fixture_src}"\n{line}\n')
+    r = run_cli("mxfp4-to-int4", "--config", job)
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert str(job) in r.output and named in r.output, r.output
+    assert not any(p.name.startswith("{") for p in tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- R11: values bounded at the edge
+
+def test_r11_sample_experts_out_of_range_is_refused_up_front(src_copy, tmp_path):
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--sample-experts", "99999999999999999999")
+    assert r.exit_code == 2 and "--sample-experts" in r.output, r.output
+    assert not os.path.exists(dst)
+    from converter.errors import BadInput
+    from converter.pipeline import Options
+    with pytest.raises(BadInput, match="--sample-experts"):
+        Options(sample_experts=10**20).check()
+
+
+# ---------------------------------------------------------------- R16: one precedence order
+
+def test_r16_precedence_command_line_job_file_environment_default(fixture_src, tmp_path, monkeypatch):
+    """command line > job file > K3CONVERT_WORKERS > default (README, Usage)."""
+    job = tmp_path / "job.toml"
+    job.write_text(f'src = "{fixture_src}"\nworkers = 2\ndevices = "cpu"\n')
+
+    def chosen(*extra):
+        r = run_cli("mxfp4-to-int4", "--config", job, "-o", tmp_path / "dst", "--dry-run", *extra)
+        assert r.exit_code == 0, r.output
+        return r.output
+
+    monkeypatch.setenv("K3CONVERT_WORKERS", "1")
+    assert "cpu: 2 worker(s)" in chosen()                  # the job file beats the environment
+    assert "cpu: 3 worker(s)" in chosen("--workers", "3")  # the command line beats both
+    job.write_text(f'src = "{fixture_src}"\ndevices = "cpu"\n')
+    assert "cpu: 1 worker(s)" in chosen()                  # the environment beats the default
+    monkeypatch.setenv("K3CONVERT_WORKERS", "zero")
+    r = run_cli("mxfp4-to-int4", "--config", job, "-o", tmp_path / "dst", "--dry-run")
+    assert r.exit_code == 2 and "'zero' is not a positive number or auto" in r.output
