@@ -13,6 +13,7 @@ import click
 from . import __version__, jobfile
 from .errors import ConvertError
 from .manifest import REPORT
+from .profiles import MAX_EXPERTS
 from .quant.rules import RULES as SCALE_RULES
 from .serving import SERVERS
 
@@ -113,6 +114,9 @@ class _WorkerCount(click.ParamType):
         return n
 
 
+WORKERS_ENV = "K3CONVERT_WORKERS"
+
+
 def _fail(e: ConvertError) -> None:
     click.echo(f"k3convert: error: {e}", err=True)
     sys.exit(e.exit_code)
@@ -131,14 +135,15 @@ def main() -> None:
 @click.option("--max-rel-rmse", type=float, default=0.15, show_default=True,
               help="Fail (exit 3) if any tensor's relative RMSE vs the MXFP4 weights exceeds this.")
 @click.option("--devices", default=None, help="Comma list like cuda:0,cuda:1 or cpu [default: every GPU, else CPU].")
-@click.option("--workers", type=_WorkerCount(), default="auto", show_default=True, envvar="K3CONVERT_WORKERS",
+@click.option("--workers", type=_WorkerCount(), default=lambda: os.environ.get(WORKERS_ENV, "auto"),
+              show_default="auto",
               help="CPU worker processes (no GPU): a number, or auto: one per 2 cores, as many as fit in "
                    "half the free memory and no more than there are shards (--dry-run shows the choice); "
-                   "K3CONVERT_WORKERS sets the default.")
+                   f"{WORKERS_ENV} sets a site's default (the command line and a job file win over it).")
 @click.option("--workers-per-gpu", type=click.IntRange(min=1), default=2, show_default=True,
               help="Worker processes per GPU: each converts one shard at a time, so two keep a GPU's "
                    "storage busy while one of them computes.")
-@click.option("--sample-experts", type=int, default=4, show_default=True,
+@click.option("--sample-experts", type=click.IntRange(min=0, max=MAX_EXPERTS), default=4, show_default=True,
               help="Experts per layer whose output error ||(Wq-W)x||/||Wx|| is measured.")
 @click.option("--overwrite", is_flag=True, help="Replace a DST that holds a different conversion.")
 @click.option("--shards", "shard_spec", default=None, help="Only these shards, 1-based in name order: 3,5-9.")

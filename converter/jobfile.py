@@ -8,6 +8,7 @@ from any working directory (a batch scheduler's included).
 """
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 from typing import Any
@@ -43,19 +44,54 @@ def load(path: str, command: click.Command) -> dict[str, Any]:
     by_key = {k: p for p in command.params if p.name != "config" for k in _keys(p)}
     base = os.path.dirname(os.path.abspath(path))
     out: dict[str, Any] = {}
+    seen: dict[str, str] = {}
     for key, value in data.items():
         param = by_key.get(key.replace("_", "-"))
         if param is None:
             known = ", ".join(sorted(by_key))
             raise click.BadParameter(f"file {path}: unknown key {key!r} (known: {known})", param_hint="--config")
+        if param.name in seen:
+            raise click.BadParameter(f"file {path}: {seen[param.name]!r} and {key!r} are the same option: keep one",
+                                     param_hint="--config")
+        seen[param.name] = key
+        if why := value_problem(param, value):
+            raise click.BadParameter(f"file {path}: {key} = {value!r}: {why}", param_hint="--config")
         if isinstance(value, list):  # devices = ["cuda:0", "cuda:1"]
             value = ",".join(str(v) for v in value)
-        if isinstance(value, dict):
-            raise click.BadParameter(f"file {path}: {key} must be a value, not a table", param_hint="--config")
         if isinstance(param.type, click.Path) and isinstance(value, str):
             value = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
         out[param.name] = value
     return out
+
+
+def value_problem(param: click.Parameter, value: Any) -> str | None:
+    """Why a TOML value cannot stand for ``param`` as the command line would type it, or None.
+
+    TOML has types the command line does not: each must be the one the option takes (a flag a
+    boolean, a path or name a string, a number a number; never a date, a table or a boolean for a
+    number), so that a job file means exactly what the same command line means.
+    """
+    if isinstance(value, (datetime.date, datetime.time)):
+        return "a date or time, not an option value"
+    if isinstance(value, dict):
+        return "a table, not a value"
+    if isinstance(param, click.Option) and param.is_flag:
+        return None if isinstance(value, bool) else "expected true or false"
+    if isinstance(value, bool):
+        return "expected a value, not true/false"
+    kind = param.type
+    if isinstance(value, list):
+        if not isinstance(kind, click.types.StringParamType) or not all(isinstance(v, (str, int)) and
+                                                                       not isinstance(v, bool) for v in value):
+            return "a list, where one value is expected"
+        return None
+    if isinstance(kind, (click.types.IntParamType,)):            # IntRange included
+        return None if isinstance(value, int) else "expected a whole number"
+    if isinstance(kind, (click.types.FloatParamType,)):          # FloatRange included
+        return None if isinstance(value, (int, float)) else "expected a number"
+    if isinstance(kind, (click.Path, click.Choice, click.types.StringParamType)):
+        return None if isinstance(value, str) else "expected a string"
+    return None if isinstance(value, (str, int, float)) else "expected a string or a number"
 
 
 def option(f):

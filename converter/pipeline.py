@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from . import __version__
 from .devices import gpu_count
@@ -29,8 +29,9 @@ from .formats import checkpoint as ckpt
 from .formats.dialect import TARGET_FORMAT
 from .manifest import (LOCKS, MANIFEST, MANIFEST_LOCK, REPORT, RUN_LOCK, STATE_DIR, TENSOR_TABLE, DstLock, ShardLocks,
                        commit, copy_current, discard, file_fingerprint, json_bytes, read_json, read_rows, rows_bytes,
-                       stage, stage_copy, state_file, write_json, write_rows)
+                       source_fingerprint, stage, stage_copy, state_file, write_json, write_rows)
 from .outputs import expected
+from .profiles import MAX_EXPERTS
 from .plan import TEMPORARY, Plan, ShardPlan, build_plan, side_file_target
 from .safepath import contains, dest_file, lock_file
 from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, OPTIMA, RULES as SCALE_RULES, recorded_rule
@@ -56,9 +57,18 @@ class Options:
     scale_rule: str = SCALE_RULE_DEFAULT  # --scale-rule: optimal | optimal-pm7 | vllm-gfx942 (quant/rules.py)
 
     def identity(self) -> dict[str, Any]:
-        """What must match for a run to continue (or share) a previous one's DST."""
+        """Every option that changes what DST holds or whether it is complete: what must match for a
+        run (a job-array part, a resume, ``finalize``) to continue or share a previous one's DST."""
         return {"version": __version__, "sample_experts": self.sample_experts, "profile": self.profile,
-                "drop_activation_quant": self.drop_activation_quant, "scale_rule": self.scale_rule}
+                "drop_activation_quant": self.drop_activation_quant, "scale_rule": self.scale_rule,
+                "max_rel_rmse": self.max_rel_rmse}
+
+    @classmethod
+    def recorded(cls, identity: Mapping[str, Any]) -> "Options":
+        """The options a DST's run.json records (``identity``), for a standalone ``finalize``."""
+        return cls(profile=identity.get("profile"), drop_activation_quant=bool(identity.get("drop_activation_quant")),
+                   scale_rule=recorded_rule(identity), sample_experts=identity.get("sample_experts", 4),
+                   max_rel_rmse=identity.get("max_rel_rmse", Options.max_rel_rmse))
 
     def plan(self, src: str) -> Plan:
         return build_plan(src, self.profile, self.drop_activation_quant)
@@ -68,6 +78,9 @@ class Options:
         x = self.max_rel_rmse
         if not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
             raise BadInput(f"--max-rel-rmse {x}: expected a finite number >= 0")
+        n = self.sample_experts
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_EXPERTS:
+            raise BadInput(f"--sample-experts {n!r}: expected a whole number from 0 to {MAX_EXPERTS}")
         if self.scale_rule not in SCALE_RULES:
             raise BadInput(f"--scale-rule {self.scale_rule!r}: expected one of {', '.join(SCALE_RULES)}")
 
@@ -188,9 +201,31 @@ def run_identity(plan: Plan, options: Options) -> dict[str, Any]:
     return {
         "tool": "k3convert", "options": options.identity(), "source": plan.src,
         "profile": plan.profile.name, "quantization": plan.source.record(),
-        "config": file_fingerprint(os.path.join(plan.src, "config.json")),
-        "shards": {s.name: file_fingerprint(s.path) for s in plan.shards},
+        "config": source_fingerprint(os.path.join(plan.src, "config.json")),
+        "shards": {s.name: source_fingerprint(s.path) for s in plan.shards},
     }
+
+
+def identity_difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
+    """What differs between a recorded identity and this run's, in words (both values), or None."""
+    old = {k: v for k, v in old.items() if k != _WHO}
+    if old == new:
+        return None
+    if old.get("source") != new.get("source"):
+        return f"another source: {old.get('source')} (recorded) vs {new.get('source')}"
+    o, n = old.get("options") or {}, new.get("options") or {}
+    for key in sorted(set(o) | set(n)):
+        if o.get(key) != n.get(key):
+            flag = "--" + key.replace("_", "-")
+            return f"other options: {flag} {o.get(key)!r} (recorded) vs {n.get(key)!r}"
+    if old.get("config") != new.get("config"):
+        return "source files changed: config.json"
+    os_, ns = old.get("shards") or {}, new.get("shards") or {}
+    for name in sorted(set(os_) | set(ns)):
+        if os_.get(name) != ns.get(name):
+            what = "is new" if name not in os_ else "is gone" if name not in ns else "changed"
+            return f"source files changed: {name} {what}"
+    return "source files changed"
 
 
 def _who() -> dict[str, Any]:
@@ -284,9 +319,8 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
         old = read_json(_state(dst, IDENTITY))
         if old is None and [f for f in os.listdir(dst) if f != STATE_DIR]:
             raise OutputError(foreign, file=dst)
-        if old is not None and {k: v for k, v in old.items() if k != _WHO} != ident:
-            what = (f"another source, {old.get('source')}" if old.get("source") != plan.src else
-                    "other options" if old.get("options") != ident["options"] else "source files changed")
+        what = None if old is None else identity_difference(old, ident)
+        if what is not None:
             if not options.overwrite:
                 raise OutputError(f"holds a different conversion ({what}), recorded by {_named(old)}: "
                                   "use --overwrite to replace it", file=dst)
@@ -524,11 +558,12 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
             if run is None:
                 raise OutputError(nothing, file=dst)
             if options is None:
-                recorded = run.get("options") or {}
-                options = Options(profile=recorded.get("profile"),
-                                  drop_activation_quant=bool(recorded.get("drop_activation_quant")),
-                                  scale_rule=recorded_rule(recorded))
+                options = Options.recorded(run.get("options") or {})
             plan = plan or options.plan(run["source"])
+            # what run.json records is what the shards were converted from, with: checked here too
+            if (what := identity_difference(run, run_identity(plan, options))) is not None:
+                raise OutputError(f"holds a conversion that no longer matches ({what}), recorded by "
+                                  f"{_named(run)}: rerun mxfp4-to-int4 (--overwrite to start again)", file=dst)
             return _finalize_locked(dst, plan, options, run, t0)
 
 

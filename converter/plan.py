@@ -10,6 +10,7 @@ which reads the scale from the other shard by offset (docs/decisions.md).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -164,11 +165,16 @@ class Plan:
         return self.source.int4_config(self.config, converted, kept, rule)
 
 
+def metadata_value(v: Any) -> str:
+    """An activation field as shard metadata (strings only): a name as it is, a number or null as JSON."""
+    return v if isinstance(v, str) else json.dumps(v)
+
+
 def shard_metadata(source: dict[str, str], activation: dict[str, Any], what: str) -> dict[str, str]:
     """Each output shard states the format, the tool and the activation (SPEC §4)."""
     meta = dict(source)
     meta.setdefault("format", "pt")
-    meta.update({k: str(v) for k, v in activation.items()})
+    meta.update({k: metadata_value(v) for k, v in activation.items()})
     meta["quantization"] = f"compressed-tensors pack-quantized int4 group 32 ({what})"
     meta["converted_by"] = f"k3convert {__version__}"
     return meta
@@ -213,6 +219,7 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
                             f"(expected scale [{rows}, {cols // 32}])")
             continue
         converts[module] = Convert(module, t, scale, rows, cols)
+    problems += _collisions(tensors, converts)
     suffix = "." + source.scale_suffix
     for name, t in tensors.items():  # a scale whose packed tensor is nowhere would pass through as data
         if not name.endswith(suffix) or t.dtype != "U8":
@@ -222,6 +229,31 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
         if module not in converts and packed not in tensors and packed not in unread and source.selects(module):
             problems.append(f"file {t.path}, tensor {name}: no {source.packed_suffix} for it in any shard")
     return converts
+
+
+UNQUANTIZED = "weight"   # a module's plain weight: beside its MXFP4 pair, a second weight of one module
+
+
+def _collisions(tensors: dict[str, TensorInfo], converts: dict[str, Convert]) -> list[str]:
+    """Source tensors that would clash with a converted module in DST, or describe it twice.
+
+    The names DST writes for module X (X.weight_packed, X.weight_scale, X.weight_shape) and X's
+    plain X.weight: any of them in SRC other than the packed and scale tensors converted is refused.
+    Checked per converted module, not per tensor: four dictionary look-ups each.
+    """
+    out = []
+    for module, c in converts.items():
+        consumed = {c.packed.name, c.scale.name}
+        for suffix in (PACKED, SCALE, SHAPE, UNQUANTIZED):
+            name = f"{module}.{suffix}"
+            t = tensors.get(name)
+            if t is None or name in consumed:
+                continue
+            what = ("a second weight of the module" if suffix == UNQUANTIZED
+                    else "k3convert writes a tensor of that name for the converted module")
+            out.append(f"file {t.path}, tensor {name}: beside the MXFP4 pair {c.packed.name} / {c.scale.name}: "
+                       f"{what}; remove one of them")
+    return out
 
 
 # Names DST gives its own files (and the prefix of ours): a source shard of such a name would be

@@ -29,7 +29,7 @@ from .formats.json_input import ListOf, MapOf, Nullable, type_problems
 from .manifest import MANIFEST, REPORT, TENSOR_TABLE, json_bytes, read_json, read_rows
 from .outputs import BOOKKEEPING, CONFIG, Expected, accepted, expected, listing, named_by
 from .safepath import open_regular, plain_name, read_regular, regular_problem
-from .plan import PACKED, README, SCALE, SHAPE, build_plan
+from .plan import PACKED, README, SCALE, SHAPE, build_plan, metadata_value
 from .quant.rules import OPTIMA, RULE_KEY, RULES as SCALE_RULES, recorded_rule
 from .serving import serving_check
 from .validate import error_ratio, ratio_line
@@ -487,7 +487,7 @@ def _check_situ(d: _Dst) -> Check:
         return c
     for shard, h in sorted(d.headers.items()):
         for k, v in act.items():
-            if h.metadata.get(k) != str(v):
+            if h.metadata.get(k) != metadata_value(v):
                 c.fail(f"{shard}: metadata {k} is {h.metadata.get(k)!r}, config says {v!r}")
     mact = d.manifest.get("activation") or {}
     for k, v in act.items():

@@ -151,7 +151,9 @@ def test_job_file_options_relative_paths_and_command_line_wins(fixture_src, tmp_
     r = run_cli("mxfp4-to-int4", "--config", job)  # the file's tiny threshold fails the run, in ../out
     assert r.exit_code == 3, r.output
     assert os.path.isdir(tmp_path / "out")
-    r = run_cli("mxfp4-to-int4", "--config", job, "--max-rel-rmse", "0.2")  # the command line wins
+    r = run_cli("mxfp4-to-int4", "--config", job, "--max-rel-rmse", "0.2")  # the command line wins: another
+    assert r.exit_code == 4 and "--max-rel-rmse 0.0001 (recorded) vs 0.2" in r.output  # threshold, another run
+    r = run_cli("mxfp4-to-int4", "--config", job, "--max-rel-rmse", "0.2", "--overwrite")
     assert r.exit_code == 0, r.output
     assert read_json(tmp_path / "out" / MANIFEST)["complete"] is True
     job.write_text('src = "../src"\nmax_rel_rmse = 0.2\nworkerz = 2\n')

@@ -9,6 +9,7 @@ explicit flag and recorded: never changed silently.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -90,6 +91,22 @@ def activation_fields(config: dict, keys: tuple[str, ...] = ()) -> dict[str, tup
     return found
 
 
+NULLABLE_ACTIVATION = ("activation_situ_linear_beta",)   # null: the up projection is not clipped (vLLM's SituAndMul)
+
+
+def activation_type_problem(key: str, value: Any) -> str | None:
+    """Why an activation field's value is not what servers read it as, or None: ``hidden_act`` a
+    name, every other field a finite number (a string "4.0" or a list would be written into shard
+    metadata and the manifest as text, and a server would refuse or misread it)."""
+    if key == "hidden_act":
+        return None if isinstance(value, str) and value else "expected a non-empty string"
+    if value is None and key in NULLABLE_ACTIVATION:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return "expected a finite number" + (" or null" if key in NULLABLE_ACTIVATION else "")
+    return None
+
+
 def activation(config: dict, config_path: str, required: tuple[str, ...] = ("hidden_act",)) -> dict[str, Any]:
     """The expert activation and its parameters (SPEC §4), from text_config or top level.
 
@@ -103,7 +120,12 @@ def activation(config: dict, config_path: str, required: tuple[str, ...] = ("hid
     if conflicts:
         raise BadInput("conflicting activation fields: " + "; ".join(conflicts) + ": cannot tell which one the "
                        "experts use", file=config_path)
-    act = {key: value for key, (value, _) in activation_fields(config, required).items()}
+    fields = activation_fields(config, required)
+    wrong = [f"{where}.{key} is {value!r}: {why}" if where == "text_config" else f"{key} is {value!r}: {why}"
+             for key, (value, where) in fields.items() if (why := activation_type_problem(key, value))]
+    if wrong:
+        raise BadInput("activation field of the wrong type: " + "; ".join(wrong), file=config_path)
+    act = {key: value for key, (value, _) in fields.items()}
     if act.get("hidden_act") == "situ":
         required = tuple(dict.fromkeys(required + SITU_FIELDS))
     missing = [k for k in required if k not in act]
