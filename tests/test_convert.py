@@ -379,8 +379,11 @@ def test_max_rel_rmse_exit_3_names_tensor(converted, tmp_path):
         assert_clean_error(r, "--max-rel-rmse", code=ThresholdExceeded.exit_code)
         assert read_json(os.path.join(dst, MANIFEST))["complete"] is False
 
-    # with a threshold the data meets, the same DST completes
+    # another threshold is another conversion (recorded in run.json, R1): refused, naming both values;
+    # with --overwrite and a threshold the data meets, the same DST completes
     r = run_cli(*args[:-2])
+    assert_clean_error(r, f"--max-rel-rmse {limit!r} (recorded) vs 0.15", code=4)
+    r = run_cli(*args[:-2], "--overwrite")
     assert r.exit_code == 0, r.output
     assert read_json(os.path.join(dst, MANIFEST))["complete"] is True
     for s in shard_names(converted.dst):
