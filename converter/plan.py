@@ -179,7 +179,7 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
     """Every MXFP4 module of the checkpoint, its packed and scale tensors found in any shard
     (``unread``: tensors of shards already reported missing or broken, not reported again)."""
     suffix = "." + source.packed_suffix
-    quark = source.dialect == "quark"
+    quark = source.packed_suffix == "weight"   # Quark, MiMo's fp8 config: a float X.weight is not MXFP4
     converts: dict[str, Convert] = {}
     for name, t in tensors.items():
         if not name.endswith(suffix) or (quark and t.dtype != "U8"):  # Quark: a bf16 X.weight is unquantized
@@ -318,6 +318,8 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     prof, why = profiles.choose(config, ckpt.dialect(config, config_path), profile, config_path)
     source = ckpt.mxfp4_source(config, config_path, drop_activation_quant, prof.source)
     act = ckpt.activation(config, config_path, prof.required_activation)
+    act.update({k: v for k, (v, _) in ckpt.activation_fields(config, prof.optional_activation).items()
+                if k in prof.optional_activation})
     wm = ckpt.weight_map(src)
     problems: list[str] = []
     by_shard: dict[str, list[str]] = {}
@@ -333,6 +335,10 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
             else:
                 tensors[name] = t
     converts = _pair(tensors, source, problems, {n for n, shard in wm.items() if shard not in headers})
+    if prof.experts_only:
+        problems += [f"file {c.packed.path}, tensor {c.packed.name}: MXFP4, but profile {prof.name!r} converts "
+                     f"routed experts only (<layer>.experts.E.<proj>)" for m, c in sorted(converts.items())
+                     if not ckpt._matches(m, ckpt.EXPERT_TARGET)]
     consumed = {t.name for c in converts.values() for t in (c.packed, c.scale)}
     dropped = sorted(n for n in tensors if n not in consumed and n.endswith(source.dropped_tensors))
     expected = profiles.expected_modules(prof, config)

@@ -58,6 +58,8 @@ class Profile:
     match: dict[str, Any] = field(default_factory=dict)
     required_activation: tuple[str, ...] = ("hidden_act",)
     inventory: dict[str, Any] | None = None
+    optional_activation: tuple[str, ...] = ()   # carried when the config states them (MiniMax swiglu_beta)
+    experts_only: bool = False                 # any MXFP4 module but a routed expert is refused, by name
 
     def matches(self, config: dict) -> tuple[bool, str]:
         """Whether config.json is of this family, and the facts that say so."""
@@ -89,7 +91,9 @@ def load(path: str) -> Profile:
         return Profile(name=data["name"], path=path, description=data.get("description", ""),
                        source=data["source"], match=dict(data.get("match") or {}),
                        required_activation=tuple((data.get("activation") or {}).get("required", ["hidden_act"])),
-                       inventory=_inventory(data.get("inventory"), path))
+                       inventory=_inventory(data.get("inventory"), path),
+                       optional_activation=tuple((data.get("activation") or {}).get("optional", [])),
+                       experts_only=data.get("experts_only", False) is True)
     except KeyError as e:
         raise BadInput(f"profile lacks {e.args[0]!r}", file=path) from None
 

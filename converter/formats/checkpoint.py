@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import BadInput
 from ..safepath import plain_name, source_file
 from . import compressed_tensors, json_input, quark  # noqa: F401  (importing a dialect registers it)
-from .dialect import (DIALECTS, DROP_FLAG, MXFP4_FORMAT, PACKED, SCALE, SHAPE, MXFP4Source,  # noqa: F401
+from .dialect import (DIALECTS, DROP_FLAG, EXPERT_TARGET, MXFP4_FORMAT, PACKED, SCALE, SHAPE, MXFP4Source,  # noqa: F401
                       _matches, dotted, named, quant_blocks)
 
 INDEX = "model.safetensors.index.json"
