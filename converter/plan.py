@@ -67,9 +67,14 @@ class Convert:
 
 @dataclass(frozen=True)
 class Copy:
-    """A tensor that passes through byte-identical."""
+    """A tensor that passes through byte-identical (under ``name`` where the source dialect renames it)."""
 
     info: TensorInfo
+    name: str = ""
+
+    @property
+    def out_name(self) -> str:
+        return self.name or self.info.name
 
     @property
     def nbytes(self) -> int:
@@ -95,7 +100,7 @@ class ShardPlan:
         tensors = []
         for it in self.items:
             tensors += it.outputs() if isinstance(it, Convert) else [
-                OutTensor(it.info.name, it.info.dtype, it.info.shape)]
+                OutTensor(it.out_name, it.info.dtype, it.info.shape)]
         self.layout = Layout(tensors, self.metadata)
 
     @property
@@ -159,8 +164,8 @@ class Plan:
     def output_config(self, rule: str = DEFAULT_RULE) -> dict[str, Any]:
         """The source config with its MXFP4 blocks replaced by int4 ones written with scale ``rule``."""
         converted = sorted(c.module for s in self.shards for c in s.converts)
-        kept = sorted({it.info.name[: -len(".weight")] for s in self.shards for it in s.items
-                       if isinstance(it, Copy) and it.info.name.endswith(".weight") and len(it.info.shape) == 2})
+        kept = sorted({it.out_name[: -len(".weight")] for s in self.shards for it in s.items
+                       if isinstance(it, Copy) and it.out_name.endswith(".weight") and len(it.info.shape) == 2})
         return self.source.int4_config(self.config, converted, kept, rule)
 
 
@@ -334,6 +339,7 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
                 problems.append(f"tensor {name}: in both {os.path.basename(tensors[name].path)} and {shard}")
             else:
                 tensors[name] = t
+    source = source.seen(tensors)
     converts = _pair(tensors, source, problems, {n for n, shard in wm.items() if shard not in headers})
     if prof.experts_only:
         problems += [f"file {c.packed.path}, tensor {c.packed.name}: MXFP4, but profile {prof.name!r} converts "
@@ -354,7 +360,8 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     shards = []
     for shard, h in headers.items():
         items: list[tuple[int, Item]] = [(c.packed.start, c) for c in by_packed.get(h.path, [])]
-        items += [(t.start, Copy(t)) for n, t in h.tensors.items() if n not in skip]
+        items += [(t.start, Copy(t, source.out_name(n) if source.renames else "")) for n, t in h.tensors.items()
+                  if n not in skip]
         items.sort(key=lambda x: x[0])
         shards.append(ShardPlan(shard, h.path, h.file_size, h.data_start, [it for _, it in items],
                                 shard_metadata(h.metadata, act, what)))

@@ -22,6 +22,7 @@ from typing import Mapping
 from .checks import Check
 from .errors import BadInput
 from .formats import checkpoint as ckpt
+from .formats.dialect import is_fp8_block_group
 from .formats.safetensors_io import TensorInfo, read_header
 from .plan import PACKED, SCALE
 from .vllm_plugin import route as plugin_route
@@ -321,6 +322,8 @@ def _config_problems(config: dict | None) -> list[tuple[str, str]]:
             continue
         for gname, g in groups.items():
             g = g if isinstance(g, dict) else {}
+            if is_fp8_block_group(g):   # source FP8 linears kept (MiMo): not the experts' group
+                continue
             gwhere = f"{where}.config_groups.{gname}"
             fmt = g.get("format") or block.get("format")   # a group's format overrides the block's
             if fmt != "pack-quantized":
