@@ -62,8 +62,12 @@ def build(model_dir: str, family: str, first: bool) -> dict:
     vllm_config = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                              load_format="dummy", max_model_len=256, enable_prefix_caching=False,
                              trust_remote_code=False).create_engine_config()
+    if vllm_config.quant_config is not None:   # what vLLM's initialize_model does first (fused layers' names)
+        from vllm.model_executor.model_loader.utils import configure_quant_config
+        configure_quant_config(vllm_config.quant_config, cls)
     k3qm.ASKED.clear()
     k3qm.LOOKUPS.clear()
+    FP8_ASKED.clear()
     with set_current_vllm_config(vllm_config):
         if first:
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
@@ -72,7 +76,14 @@ def build(model_dir: str, family: str, first: bool) -> dict:
         model = cls(vllm_config=vllm_config, prefix="")
     qc = vllm_config.quant_config
     return {"quant_config": None if qc is None else type(qc).__name__, "class": cls.__name__,
-            "oracle_asked": list(k3qm.ASKED), "lookups": dict(k3qm.LOOKUPS), "modules": k3qm.methods(model)}
+            "oracle_asked": list(k3qm.ASKED), "fp8_asked": list(FP8_ASKED), "lookups": dict(k3qm.LOOKUPS),
+            "modules": k3qm.methods(model), "params": params(model)}
+
+
+def params(model) -> dict[str, list[str]]:
+    """module name -> the parameter names its quant method registered (what the loader fills by name)."""
+    return {name: sorted(n for n, _ in mod.named_parameters(recurse=False))
+            for name, mod in model.named_modules() if getattr(mod, "quant_method", None) is not None}
 
 
 def stub_torchvision(root: str) -> None:
@@ -94,6 +105,23 @@ def stub_torchvision(root: str) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (os.path.dirname(pkg), os.environ.get("PYTHONPATH"))))
 
 
+def record_fp8_linear() -> None:
+    """The compressed-tensors FP8 linear scheme picks a GEMM kernel at construction, and a CPU has
+    none: record what it asked (its weight and activation keys) and give none, as
+    k3_quant_methods.record_oracle does for the MoE backends."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import compressed_tensors_w8a8_fp8 as w8a8
+
+    def asked(activation_quant_key, weight_quant_key, *args, **kwargs):
+        FP8_ASKED.append({"weight_key": str(weight_quant_key), "activation_key": str(activation_quant_key)})
+        return None
+
+    w8a8.init_fp8_linear_kernel = asked
+    w8a8.expose_input_quant_key = lambda layer, kernel: None
+
+
+FP8_ASKED: list[dict] = []
+
+
 def main() -> int:
     family, out_path, dirs = sys.argv[1], sys.argv[2], sys.argv[3:]
     root = tempfile.mkdtemp(prefix="moeqm-")
@@ -102,6 +130,7 @@ def main() -> int:
     import vllm
     k3qm.record_oracle()
     k3qm.record_lookups()
+    record_fp8_linear()
     try:
         results = {}
         for i, d in enumerate(dirs):
