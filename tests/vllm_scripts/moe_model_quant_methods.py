@@ -22,7 +22,8 @@ import k3_quant_methods as k3qm  # noqa: E402
 
 # tiny vision/attention fields the fixtures lack, never overriding a field DIR states
 TINY = {"minimax_m3": {"vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                                         "num_attention_heads": 2, "patch_size": 14},
+                                         "num_attention_heads": 2, "patch_size": 14, "num_channels": 3,
+                                         "layer_norm_eps": 1e-5, "img_token_compression_config": {}},
                        "text_config": {"max_position_embeddings": 256}},
         "mimo_v2": {}}
 
@@ -96,11 +97,18 @@ def stub_torchvision(root: str) -> None:
     except ImportError:
         pass
     pkg = os.path.join(root, "stubs", "torchvision")
-    os.makedirs(pkg)
-    with open(os.path.join(pkg, "__init__.py"), "w") as f:
-        f.write("from . import transforms\n")
-    with open(os.path.join(pkg, "transforms.py"), "w") as f:
-        f.write("import enum\nInterpolationMode = enum.Enum('InterpolationMode', 'NEAREST BILINEAR BICUBIC')\n")
+    stubs = {"__init__.py": "__version__ = '0.0.0'\nfrom . import io, transforms\n",
+             "io.py": "import enum\nImageReadMode = enum.Enum('ImageReadMode', 'UNCHANGED RGB')\n"
+                      "def decode_image(*a, **k):\n    raise NotImplementedError('torchvision stub')\n",
+             "transforms/__init__.py": "import enum\nfrom . import functional, v2\nInterpolationMode = enum.Enum("
+                                       "'InterpolationMode', 'NEAREST NEAREST_EXACT BOX BILINEAR HAMMING BICUBIC LANCZOS')\n",
+             "transforms/functional.py": "def pil_to_tensor(*a, **k):\n    raise NotImplementedError('torchvision stub')\n",
+             "transforms/v2/__init__.py": "from . import functional\n",
+             "transforms/v2/functional.py": ""}
+    for rel, text in stubs.items():
+        os.makedirs(os.path.dirname(os.path.join(pkg, rel)), exist_ok=True)
+        with open(os.path.join(pkg, rel), "w") as f:
+            f.write(text)
     sys.path.insert(0, os.path.dirname(pkg))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (os.path.dirname(pkg), os.environ.get("PYTHONPATH"))))
 
