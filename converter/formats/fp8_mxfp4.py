@@ -5,7 +5,7 @@ What vLLM 0.33.0 does with such a checkpoint (``model_executor/layers/quantizati
 ``Fp8Config.get_quant_method`` gives every routed-experts layer ``Mxfp4MoEMethod`` when
 ``store_dtype == "mxfp4"`` (199-204; on gfx942 EMULATION, ``fused_moe/oracle/mxfp4.py`` 443-447)
 and every other linear ``Fp8LinearMethod``, block-quantized by ``weight_block_size`` with
-``X.weight`` e4m3 and ``X.weight_scale_inv`` fp32, unless ``ignored_layers`` /
+``X.weight`` e4m3 and ``X.weight_scale_inv`` fp32 (338-339), unless ``ignored_layers`` /
 ``modules_to_not_convert`` names it (exact match). An expert is ``X.weight`` uint8 ``[out, in/2]``
 + ``X.weight_scale`` E8M0 uint8 ``[out, in/32]``: the OCP bytes (``mimo_v2.py`` 854-864 maps
 ``experts.E.gate_proj|up_proj|down_proj``).
@@ -13,7 +13,7 @@ and every other linear ``Fp8LinearMethod``, block-quantized by ``weight_block_si
 The output is compressed-tensors: the experts int4 (group 0), the FP8 linears described as they
 are (group 1, ``dialect.fp8_block_group``): vLLM's compressed-tensors FP8 scheme registers
 ``weight_scale`` (``compressed_tensors_w8a8_fp8.py`` 127-134) and ``mimo_v2.py``'s loader skips a
-name it has no parameter for (1000-1004), so each ``weight_scale_inv`` is written as
+name it has no parameter for (958-960, 979-980), so each ``weight_scale_inv`` is written as
 ``weight_scale``, bytes unchanged (docs/mimo.md).
 """
 from __future__ import annotations
