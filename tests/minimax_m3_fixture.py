@@ -98,3 +98,24 @@ def write(dst: str, seed: int = 0) -> dict[str, torch.Tensor]:
                             quantization_status="compressed", ignore=IGNORE)
     ModelCompressor(quantization_config=qc).update_config(dst)
     return experts
+
+
+# Quark's exclude (fnmatch) for what MiniMax-M3 keeps in bf16, the checkpoint's names
+QUARK_EXCLUDE = ["*lm_head", "*self_attn*", "*block_sparse_moe.gate", "*shared_experts*", "*.mlp.*", "*vision_tower*"]
+
+
+def write_quark(dst: str, quark_block: dict, seed: int = 0) -> None:
+    """The same checkpoint as an AMD Quark MXFP4 export: ``X.weight`` + ``X.weight_scale`` (the bytes
+    of compressed-tensors' packing, which docs/quark.md shows Quark's packer writes too) and
+    ``quark_block``, a ``quantization_config`` written by amd-quark's exporter, its ``exclude`` set
+    to MiniMax-M3's bf16 modules."""
+    from safetensors.torch import load_file
+    write(dst, seed)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = {n.replace(".weight_packed", ".weight"): t for n, t in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {**quark_block, "exclude": list(QUARK_EXCLUDE)}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)

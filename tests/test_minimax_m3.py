@@ -107,3 +107,26 @@ def test_a_non_expert_mxfp4_linear_is_refused(tmp_path):
     write_json(os.path.join(src, "config.json"), cfg)
     with pytest.raises(BadInput, match=r"o_proj\.weight_packed: MXFP4, but profile 'minimax-m3' converts routed"):
         convert(src, str(tmp_path / "dst"), Options())
+
+
+def test_quark_w4a4_export_converts_weight_only_to_the_same_int4(done, tmp_path):
+    """A Quark MXFP4 W4A4 block (written by amd-quark's exporter) over the same expert bytes: the
+    minimax-m3-quark profile reads it, refuses it without --drop-activation-quant, and with it
+    writes int4 byte-identical to the compressed-tensors route's, the dropped spec recorded."""
+    from quark_fixture import export_quark_mxfp4
+    from converter.errors import BadInput
+
+    block = read_json(os.path.join(export_quark_mxfp4(str(tmp_path / "q"), variant="w4a4"), "config.json"))
+    src = str(tmp_path / "src")
+    mm3.write_quark(src, block["quantization_config"])
+    with pytest.raises(BadInput, match="--drop-activation-quant"):
+        convert(src, str(tmp_path / "refused"), Options())
+    dst = str(tmp_path / "dst")
+    convert(src, dst, Options(drop_activation_quant=True))
+    manifest = read_json(os.path.join(dst, "k3convert_manifest.json"))
+    assert manifest["source"]["profile"]["name"] == "minimax-m3-quark"
+    assert manifest["source"]["quantization"]["dialect"] == "quark" and manifest["source"]["quantization"]["dropped"]
+    ours, ct = all_tensors(dst), all_tensors(done[1])
+    assert set(ours) == set(ct)
+    for n in ct:
+        assert tensor_bytes(ours[n][1]) == tensor_bytes(ct[n][1]), n
