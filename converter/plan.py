@@ -360,8 +360,7 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     shards = []
     for shard, h in headers.items():
         items: list[tuple[int, Item]] = [(c.packed.start, c) for c in by_packed.get(h.path, [])]
-        items += [(t.start, Copy(t, source.out_name(n) if source.renames else "")) for n, t in h.tensors.items()
-                  if n not in skip]
+        items += [(t.start, Copy(t, source.out_name(n))) for n, t in h.tensors.items() if n not in skip]
         items.sort(key=lambda x: x[0])
         shards.append(ShardPlan(shard, h.path, h.file_size, h.data_start, [it for _, it in items],
                                 shard_metadata(h.metadata, act, what)))

@@ -594,12 +594,13 @@ def kernel(server: str, config: dict | None, mats: list["_Matrix"], sizes: Mappi
                                               "needs it")
     if server == "vllm-rocm-plugin":
         return _plugin(config, act, mem, tp, int4, sizes)
-    if server in ("vllm-rocm", "vllm-cuda"):
-        name, said = vllm_moe_activation(config, act)
+    vname, said = vllm_moe_activation(config, act)   # what the model's FusedMoE is given (issue 20)
+    if server == "vllm-rocm":
+        return _said(_vllm_oracle(srv, vname, mem, tp, int4, marlin=False), said)
+    if server == "vllm-cuda":
         hidden_ok = all(h % 128 == 0 for _, h in sizes.values())
         inter_ok = all((i // tp) % GROUP == 0 for i, _ in sizes.values())
-        v = _vllm_oracle(srv, name, mem, tp, int4, marlin=server == "vllm-cuda" and hidden_ok and inter_ok)
-        return Verdict(v.summary + said, v.problem)
+        return _said(_vllm_oracle(srv, vname, mem, tp, int4, marlin=hidden_ok and inter_ok), said)
     line = "558" if server == "sglang-rocm" else "454 (Marlin), 558 (Triton)"
     if name != "silu":
         return Verdict(f"{srv.method}: asserts silu",
@@ -629,6 +630,10 @@ def vllm_moe_activation(config: dict | None, act: dict) -> tuple[str, str]:
     said = ", ".join(f"{k.removeprefix('swiglu_')} {fields.get(k, d)}{'' if k in fields else ' (default)'}"
                      for k, d in defaults.items())
     return name, f"; the model passes FusedMoE activation {name} ({said}; vllm 0.33.0 {where})"
+
+
+def _said(v: Verdict, said: str) -> Verdict:
+    return Verdict(v.summary + said, v.problem)
 
 
 def _vllm_oracle(srv: Server, act: str, mem: Memory, tp: int, int4: str, marlin: bool) -> Verdict:

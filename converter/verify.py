@@ -265,9 +265,12 @@ def int4_block_problems(block: dict) -> list[str]:
 
 def fp8_modules(d: _Dst) -> list[str]:
     """Modules DST holds as FP8 block linears: an e4m3 weight beside an fp32 weight_scale."""
-    return sorted(t[: -len(".weight")] for t, (_, info) in d.where.items() if t.endswith(".weight")
-                  and info.dtype == "F8_E4M3" and (d.where.get(f"{t}_scale") or (None, None))[1] is not None
-                  and d.where[f"{t}_scale"][1].dtype == "F32")
+    out = []
+    for t, (_, info) in d.where.items():
+        scale = d.where.get(f"{t}_scale")
+        if t.endswith(".weight") and info.dtype == "F8_E4M3" and scale is not None and scale[1].dtype == "F32":
+            out.append(t[: -len(".weight")])
+    return sorted(out)
 
 
 def fp8_group_problems(blocks: list[tuple[tuple[str, ...], dict]], fp8: list[str]) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 
 import mimo_v2_fixture
 import minimax_m3_fixture
-from conftest import all_tensors, ct_int4_q, ct_mxfp4_values
+from conftest import all_tensors, ct_int4_values, ct_mxfp4_values
 from converter.pipeline import Options, convert
 
 
@@ -54,16 +54,12 @@ def table(name: str, root: str) -> str:
     def mx(m):
         return ct_mxfp4_values(before[f"{m}.{packed}"][1], before[f"{m}.weight_scale"][1])
 
-    def i4(m):
-        q = ct_int4_q(after[f"{m}.weight_packed"][1], after[f"{m}.weight_shape"][1]).double()
-        return q * after[f"{m}.weight_scale"][1].double().repeat_interleave(32, dim=1)
-
     experts = sorted({n.rsplit(".", 2)[0] for n in before if f".{g}.{packed}" in n and ".experts." in n})
     rows, w_err, o_err = [], [], []
     x = torch.randn(256, before[f"{experts[0]}.{g}.{packed}"][1].shape[1] * 2, generator=torch.Generator().manual_seed(0),
                     dtype=torch.float64)
     for e in experts:
-        ws = {p: (mx(f"{e}.{p}"), i4(f"{e}.{p}")) for p in (g, u, d)}
+        ws = {p: (mx(f"{e}.{p}"), ct_int4_values(after, f"{e}.{p}")) for p in (g, u, d)}
         w_err += [rel(b, a) for a, b in ws.values()]
         ref = act(x @ ws[g][0].T, x @ ws[u][0].T) @ ws[d][0].T
         out = act(x @ ws[g][1].T, x @ ws[u][1].T) @ ws[d][1].T

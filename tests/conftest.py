@@ -81,6 +81,13 @@ def ct_int4_q(packed: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     return unpack_from_int32(packed, 4, torch.Size(shape.tolist()))
 
 
+def ct_int4_values(tensors: dict, module: str) -> torch.Tensor:
+    """A converted module's int4 values q * scale (float64 [out, in]), decoded by compressed-tensors;
+    ``tensors``: name -> (shard, tensor), as all_tensors returns."""
+    q = ct_int4_q(tensors[f"{module}.weight_packed"][1], tensors[f"{module}.weight_shape"][1]).double()
+    return q * tensors[f"{module}.weight_scale"][1].double().repeat_interleave(32, dim=1)
+
+
 # ---------------------------------------------------------------- file helpers
 
 def sha256(path: str) -> str:
