@@ -614,7 +614,8 @@ def kernel(server: str, config: dict | None, mats: list["_Matrix"], sizes: Mappi
 # config fields it passes with it (vLLM's defaults where the config omits one).
 VLLM_MOE_ACTIVATION = {
     "minimax_m3_vl": ("swigluoai_uninterleave", {"swiglu_alpha": 1.702, "swiglu_beta": 1.0, "swiglu_limit": 7.0},
-                      "models/minimax_m3/amd/model.py 454-479; defaults transformers_utils/configs/minimax_m3.py 36-41"),
+                      "models/minimax_m3/amd/model.py 454-479; defaults "
+                      "transformers_utils/configs/minimax_m3.py 36-41"),
 }
 VLLM_MOE_ACTIVATION["minimax_m3_text"] = VLLM_MOE_ACTIVATION["minimax_m3_vl"]
 

