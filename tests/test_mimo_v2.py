@@ -100,3 +100,10 @@ def test_an_fp8_config_without_mxfp4_experts_is_refused(done, tmp_path):
     src = _edited(done[0], str(tmp_path), lambda c: c["quantization_config"].pop("store_dtype"))
     with pytest.raises(BadInput, match="quant_method='fp8'"):
         convert(src, str(tmp_path / "dst"), Options())
+
+
+def test_a_config_without_moe_layer_freq_is_refused(done, tmp_path):
+    """vLLM's MiMo builds no MoE layer without moe_layer_freq (mimo_v2.py is_moe_layer): the inventory says so."""
+    src = _edited(done[0], str(tmp_path), lambda c: c.pop("moe_layer_freq"))
+    with pytest.raises(BadInput, match="needs moe_layer_freq in config.json"):
+        convert(src, str(tmp_path / "dst"), Options())
