@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -65,6 +66,11 @@ def ct_mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sd = MXFP4PackedCompressor.compress({"weight": w, "weight_scale": decompress_mx_scale(exps)}, MXFP4_SCHEME)
     assert torch.equal(sd["weight_scale"], exps)  # compress_mx_scale round-trips the exponents
     return sd["weight_packed"], sd["weight_scale"]
+
+
+def heavy_tailed(*shape: int) -> torch.Tensor:
+    """float32 weights like a trained model's: Student-t (4 degrees of freedom) over sqrt(in)."""
+    return torch.distributions.StudentT(4.0).sample(shape) / math.sqrt(shape[-1])
 
 
 # ---------------------------------------------------------------- independent decoders

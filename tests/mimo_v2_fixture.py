@@ -15,13 +15,12 @@ amax/448 block rule.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import torch
 from safetensors.torch import save_file
 
-from conftest import ct_mxfp4_encode
+from conftest import ct_mxfp4_encode, heavy_tailed
 
 BLOCK = 128
 TEXT = dict(model_type="mimo_v2_flash", architectures=["MiMoV2FlashForCausalLM"], hidden_size=128,
@@ -34,10 +33,6 @@ TEXT = dict(model_type="mimo_v2_flash", architectures=["MiMoV2FlashForCausalLM"]
             partial_rotary_factor=0.334, tie_word_embeddings=False, torch_dtype="bfloat16")
 QUANT = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK],
          "store_dtype": "mxfp4", "mxfp4_block_size": 32, "ignored_layers": ["lm_head"]}
-
-
-def _t(*shape: int) -> torch.Tensor:
-    return (torch.distributions.StudentT(4.0).sample(shape) / math.sqrt(shape[-1])).float()
 
 
 def fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,13 +54,13 @@ def write(dst: str, seed: int = 0) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     os.makedirs(dst, exist_ok=True)
     h, e, inter = TEXT["hidden_size"], TEXT["n_routed_experts"], TEXT["moe_intermediate_size"]
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": _t(TEXT["vocab_size"], h).bfloat16(),
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": heavy_tailed(TEXT["vocab_size"], h).bfloat16(),
                                     "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-                                    "lm_head.weight": _t(TEXT["vocab_size"], h).bfloat16()}
+                                    "lm_head.weight": heavy_tailed(TEXT["vocab_size"], h).bfloat16()}
     experts = {}
 
     def fp8(module: str, rows: int, cols: int) -> None:
-        out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = fp8_block(_t(rows, cols))
+        out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = fp8_block(heavy_tailed(rows, cols))
 
     for layer, moe in enumerate(TEXT["moe_layer_freq"]):
         p = f"model.layers.{layer}"
@@ -82,12 +77,12 @@ def write(dst: str, seed: int = 0) -> dict[str, torch.Tensor]:
             fp8(f"{p}.mlp.up_proj", d, h)
             fp8(f"{p}.mlp.down_proj", h, d)
             continue
-        out[f"{p}.mlp.gate.weight"] = _t(e, h)                                  # fp32 router (moe_router_dtype)
+        out[f"{p}.mlp.gate.weight"] = heavy_tailed(e, h)                                  # fp32 router (moe_router_dtype)
         out[f"{p}.mlp.gate.e_score_correction_bias"] = torch.zeros(e)
         for x in range(e):
             for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
                 m = f"{p}.mlp.experts.{x}.{proj}"
-                experts[m] = _t(*shape).bfloat16()
+                experts[m] = heavy_tailed(*shape).bfloat16()
                 out[f"{m}.weight"], out[f"{m}.weight_scale"] = ct_mxfp4_encode(experts[m].float())
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json"), "w") as f:

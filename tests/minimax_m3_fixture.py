@@ -13,7 +13,6 @@ bias fp32, as vLLM builds them.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import torch
@@ -21,7 +20,7 @@ from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.quantization import QuantizationConfig
 from safetensors.torch import save_file
 
-from conftest import MXFP4_SCHEME, ct_mxfp4_encode
+from conftest import MXFP4_SCHEME, ct_mxfp4_encode, heavy_tailed
 
 PREFIX = "language_model.model.layers"
 # layer 0 dense, layers 1 and 2 MoE (moe_layer_freq), as the real model's first layers are dense
@@ -35,9 +34,7 @@ IGNORE = ["re:.*self_attn.*", r"re:.*block_sparse_moe\.gate$", "re:.*shared_expe
 
 
 def _t(*shape: int, dtype=torch.bfloat16) -> torch.Tensor:
-    """Heavy-tailed (Student-t, 4 dof) weights scaled by 1/sqrt(in), like a trained model's."""
-    x = torch.distributions.StudentT(4.0).sample(shape) / math.sqrt(shape[-1])
-    return x.to(dtype)
+    return heavy_tailed(*shape).to(dtype)
 
 
 def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
