@@ -45,8 +45,9 @@ def _detect(blocks: list[tuple[tuple[str, ...], dict]], has_manifest: bool) -> t
     if not blocks:
         return UNQUANTIZED, "no quantization_config (unquantized, or not a checkpoint k3convert knows)"
     if any(ckpt.is_mxfp4(b) for _, b in blocks):
-        quark = any(b.get("quant_method") == "quark" for _, b in blocks)
-        what = "AMD Quark MXFP4" if quark else f"compressed-tensors {ckpt.MXFP4_FORMAT}"
+        methods = {b.get("quant_method") for _, b in blocks}
+        what = "AMD Quark MXFP4" if "quark" in methods else "vLLM fp8 config, MXFP4 experts (store_dtype mxfp4)" \
+            if "fp8" in methods else f"compressed-tensors {ckpt.MXFP4_FORMAT}"
         return MXFP4_SOURCE, f"MXFP4 source ({what}): k3convert converts this"
     if all(not int4_block_problems(b) for _, b in blocks):
         if has_manifest:

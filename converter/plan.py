@@ -68,9 +68,14 @@ class Convert:
 
 @dataclass(frozen=True)
 class Copy:
-    """A tensor that passes through byte-identical."""
+    """A tensor that passes through byte-identical (under ``name`` where the source dialect renames it)."""
 
     info: TensorInfo
+    name: str = ""
+
+    @property
+    def out_name(self) -> str:
+        return self.name or self.info.name
 
     @property
     def nbytes(self) -> int:
@@ -96,7 +101,7 @@ class ShardPlan:
         tensors = []
         for it in self.items:
             tensors += it.outputs() if isinstance(it, Convert) else [
-                OutTensor(it.info.name, it.info.dtype, it.info.shape)]
+                OutTensor(it.out_name, it.info.dtype, it.info.shape)]
         self.layout = Layout(tensors, self.metadata)
 
     @property
@@ -160,8 +165,8 @@ class Plan:
     def output_config(self, rule: str = DEFAULT_RULE) -> dict[str, Any]:
         """The source config with its MXFP4 blocks replaced by int4 ones written with scale ``rule``."""
         converted = sorted(c.module for s in self.shards for c in s.converts)
-        kept = sorted({it.info.name[: -len(".weight")] for s in self.shards for it in s.items
-                       if isinstance(it, Copy) and it.info.name.endswith(".weight") and len(it.info.shape) == 2})
+        kept = sorted({it.out_name[: -len(".weight")] for s in self.shards for it in s.items
+                       if isinstance(it, Copy) and it.out_name.endswith(".weight") and len(it.info.shape) == 2})
         return self.source.int4_config(self.config, converted, kept, rule)
 
 
@@ -185,7 +190,7 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
     """Every MXFP4 module of the checkpoint, its packed and scale tensors found in any shard
     (``unread``: tensors of shards already reported missing or broken, not reported again)."""
     suffix = "." + source.packed_suffix
-    quark = source.dialect == "quark"
+    quark = source.packed_suffix == "weight"   # Quark, MiMo's fp8 config: a float X.weight is not MXFP4
     converts: dict[str, Convert] = {}
     for name, t in tensors.items():
         if not name.endswith(suffix) or (quark and t.dtype != "U8"):  # Quark: a bf16 X.weight is unquantized
@@ -350,6 +355,8 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     prof, why = profiles.choose(config, ckpt.dialect(config, config_path), profile, config_path)
     source = ckpt.mxfp4_source(config, config_path, drop_activation_quant, prof.source)
     act = ckpt.activation(config, config_path, prof.required_activation)
+    act.update({k: v for k, (v, _) in ckpt.activation_fields(config, prof.optional_activation).items()
+                if k in prof.optional_activation})
     wm = ckpt.weight_map(src)
     problems: list[str] = []
     by_shard: dict[str, list[str]] = {}
@@ -364,7 +371,12 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
                 problems.append(f"tensor {name}: in both {os.path.basename(tensors[name].path)} and {shard}")
             else:
                 tensors[name] = t
+    source = source.seen(tensors)
     converts = _pair(tensors, source, problems, {n for n, shard in wm.items() if shard not in headers})
+    if prof.experts_only:
+        problems += [f"file {c.packed.path}, tensor {c.packed.name}: MXFP4, but profile {prof.name!r} converts "
+                     f"routed experts only (<layer>.experts.E.<proj>)" for m, c in sorted(converts.items())
+                     if not ckpt._matches(m, ckpt.EXPERT_TARGET)]
     consumed = {t.name for c in converts.values() for t in (c.packed, c.scale)}
     dropped = sorted(n for n in tensors if n not in consumed and n.endswith(source.dropped_tensors))
     expected = profiles.expected_modules(prof, config)
@@ -380,7 +392,7 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     shards = []
     for shard, h in headers.items():
         items: list[tuple[int, Item]] = [(c.packed.start, c) for c in by_packed.get(h.path, [])]
-        items += [(t.start, Copy(t)) for n, t in h.tensors.items() if n not in skip]
+        items += [(t.start, Copy(t, source.out_name(n))) for n, t in h.tensors.items() if n not in skip]
         items.sort(key=lambda x: x[0])
         shards.append(ShardPlan(shard, h.path, h.file_size, h.data_start, [it for _, it in items],
                                 shard_metadata(h.metadata, act, what)))

@@ -58,6 +58,8 @@ class Profile:
     match: dict[str, Any] = field(default_factory=dict)
     required_activation: tuple[str, ...] = ("hidden_act",)
     inventory: dict[str, Any] | None = None
+    optional_activation: tuple[str, ...] = ()   # carried when the config states them (MiniMax swiglu_beta)
+    experts_only: bool = False                 # any MXFP4 module but a routed expert is refused, by name
 
     def matches(self, config: dict) -> tuple[bool, str]:
         """Whether config.json is of this family, and the facts that say so."""
@@ -89,7 +91,9 @@ def load(path: str) -> Profile:
         return Profile(name=data["name"], path=path, description=data.get("description", ""),
                        source=data["source"], match=dict(data.get("match") or {}),
                        required_activation=tuple((data.get("activation") or {}).get("required", ["hidden_act"])),
-                       inventory=_inventory(data.get("inventory"), path))
+                       inventory=_inventory(data.get("inventory"), path),
+                       optional_activation=tuple((data.get("activation") or {}).get("optional", [])),
+                       experts_only=data.get("experts_only", False) is True)
     except KeyError as e:
         raise BadInput(f"profile lacks {e.args[0]!r}", file=path) from None
 
@@ -106,7 +110,9 @@ def _inventory(inv: Any, path: str) -> dict[str, Any] | None:
         return None
     shapes = inv.get("shapes") if isinstance(inv, dict) else None
     ok = isinstance(inv, dict) and isinstance(inv.get("module"), str) and isinstance(inv.get("experts"), str) \
-        and _keys(inv.get("layers"), 2) and isinstance(shapes, dict) and bool(shapes) \
+        and (_keys(inv.get("layers"), 2) or isinstance(inv.get("layer_mask"), str)
+             and isinstance(inv.get("layer_count", ""), str)) \
+        and isinstance(shapes, dict) and bool(shapes) \
         and all(_keys(d, 2) for d in shapes.values())
     try:
         ok = ok and bool(inv["module"].format(layer=0, expert=0, proj="w"))
@@ -114,7 +120,9 @@ def _inventory(inv: Any, path: str) -> dict[str, Any] | None:
         ok = False
     if not ok:
         raise BadInput("[inventory] needs module (a name with {layer}, {expert}, {proj}), layers (two config "
-                       "keys), experts (a config key) and [inventory.shapes] (proj = [out key, in key])", file=path)
+                       "keys) or layer_mask (a config key: one 0/1 per layer, 1 = MoE; optional layer_count: the key whose "
+                       "layers are all MoE when config.json has no mask), experts (a config key) and "
+                       "[inventory.shapes] (proj = [out key, in key])", file=path)
     return inv
 
 
@@ -174,17 +182,38 @@ def expected_modules(profile: Profile, config: dict) -> dict[str, tuple[int, int
         return value
 
     try:
-        first, last = (count(k, MAX_LAYERS) for k in inv["layers"])
+        if "layer_mask" in inv and (_has(config, inv["layer_mask"]) or "layer_count" not in inv):
+            layers = _moe_layers(profile, config, inv["layer_mask"])
+        elif "layer_mask" in inv:   # no mask in config.json: every layer is MoE (MiniMax-M3, as vLLM reads it)
+            layers = range(count(inv["layer_count"], MAX_LAYERS))
+        else:
+            layers = range(*(count(k, MAX_LAYERS) for k in inv["layers"]))
         experts = count(inv["experts"], MAX_EXPERTS)
         shapes = {proj: tuple(count(k, MAX_DIM) for k in dims) for proj, dims in inv["shapes"].items()}
     except KeyError as e:
         raise BadInput(f"profile {profile.name!r} needs {e.args[0]} in config.json") from None
-    n = max(0, last - first) * experts * len(shapes)
+    n = len(layers) * experts * len(shapes)
     if n > MAX_MODULES:
-        raise BadInput(f"profile {profile.name!r}: config.json asks for {n:,} expert matrices ({last - first} "
+        raise BadInput(f"profile {profile.name!r}: config.json asks for {n:,} expert matrices ({len(layers)} "
                        f"layers x {experts} experts x {len(shapes)}): more than {MAX_MODULES:,}, not a real model")
     return {inv["module"].format(layer=layer, expert=e, proj=proj): shape
-            for layer in range(first, last) for e in range(experts) for proj, shape in shapes.items()}
+            for layer in layers for e in range(experts) for proj, shape in shapes.items()}
+
+
+def _has(config: dict, key: str) -> bool:
+    try:
+        return lookup(config, key) is not None
+    except KeyError:
+        return False
+
+
+def _moe_layers(profile: Profile, config: dict, key: str) -> list[int]:
+    """The MoE layers of a per-layer 0/1 list (MiniMax-M3's and MiMo's ``moe_layer_freq``)."""
+    mask = lookup(config, key)
+    if not (isinstance(mask, list) and len(mask) <= MAX_LAYERS and all(type(x) in (int, bool) for x in mask)):
+        raise BadInput(f"profile {profile.name!r}: config.json {key} is {str(mask)[:40]}, expected one integer "
+                       f"per layer, nonzero for MoE (at most {MAX_LAYERS:,})")
+    return [i for i, moe in enumerate(mask) if moe]
 
 
 def inventory_problems(expected: dict[str, tuple[int, int]], found: dict[str, tuple[int, int]],

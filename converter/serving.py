@@ -22,6 +22,7 @@ from typing import Mapping
 from .checks import Check
 from .errors import BadInput
 from .formats import checkpoint as ckpt
+from .formats.dialect import is_fp8_block_group
 from .formats.safetensors_io import TensorInfo, read_header
 from .plan import PACKED, SCALE
 from .vllm_plugin import route as plugin_route
@@ -323,6 +324,8 @@ def _config_problems(config: dict | None) -> list[tuple[str, str]]:
             continue
         for gname, g in groups.items():
             g = g if isinstance(g, dict) else {}
+            if is_fp8_block_group(g):   # source FP8 linears kept (MiMo): not the experts' group
+                continue
             gwhere = f"{where}.config_groups.{gname}"
             fmt = g.get("format") or block.get("format")   # a group's format overrides the block's
             if fmt != "pack-quantized":
@@ -593,12 +596,13 @@ def kernel(server: str, config: dict | None, mats: list["_Matrix"], sizes: Mappi
                                               "needs it")
     if server == "vllm-rocm-plugin":
         return _plugin(config, act, mem, tp, int4, sizes, kimi_min)
+    vname, said = vllm_moe_activation(config, act)   # what the model's FusedMoE is given (issue 20)
     if server == "vllm-rocm":
-        return _vllm_oracle(srv, name, mem, tp, int4, marlin=False)
+        return _said(_vllm_oracle(srv, vname, mem, tp, int4, marlin=False), said)
     if server == "vllm-cuda":
         hidden_ok = all(h % 128 == 0 for _, h in sizes.values())
         inter_ok = all((i // tp) % GROUP == 0 for i, _ in sizes.values())
-        verdict = _vllm_oracle(srv, name, mem, tp, int4, marlin=hidden_ok and inter_ok)
+        verdict = _said(_vllm_oracle(srv, vname, mem, tp, int4, marlin=hidden_ok and inter_ok), said)
         padded = kimi_padding(sizes, tp, kimi_min)
         if verdict.problem is None and padded:
             layer, (per, pad) = padded[0]
@@ -618,6 +622,33 @@ def kernel(server: str, config: dict | None, mats: list["_Matrix"], sizes: Mappi
                        f"activation == 'silu' (compressed_tensors_wNa16_moe.py {line}): the first forward with "
                        f"hidden_act {name!r} raises AssertionError")
     return Verdict(f"{srv.method}, int4 Triton/Marlin kernel, silu: {int4}")
+
+
+# Models whose vLLM MoE passes FusedMoE an activation other than config hidden_act, and the
+# config fields it passes with it (vLLM's defaults where the config omits one).
+VLLM_MOE_ACTIVATION = {
+    "minimax_m3_vl": ("swigluoai_uninterleave", {"swiglu_alpha": 1.702, "swiglu_beta": 1.0, "swiglu_limit": 7.0},
+                      "models/minimax_m3/amd/model.py 454-479; defaults "
+                      "transformers_utils/configs/minimax_m3.py 36-41"),
+}
+VLLM_MOE_ACTIVATION["minimax_m3_text"] = VLLM_MOE_ACTIVATION["minimax_m3_vl"]
+
+
+def vllm_moe_activation(config: dict | None, act: dict) -> tuple[str, str]:
+    """The activation vLLM's model class gives its FusedMoE (what the kernel oracle is asked), and
+    its parameters as a phrase ("" when it is config hidden_act)."""
+    hit = next((VLLM_MOE_ACTIVATION[t] for t in sorted(_model_types(config)) if t in VLLM_MOE_ACTIVATION), None)
+    if hit is None:
+        return act["hidden_act"], ""
+    name, defaults, where = hit
+    fields = {k: v for k, (v, _) in ckpt.activation_fields(config or {}, tuple(defaults)).items() if k in defaults}
+    said = ", ".join(f"{k.removeprefix('swiglu_')} {fields.get(k, d)}{'' if k in fields else ' (default)'}"
+                     for k, d in defaults.items())
+    return name, f"; the model passes FusedMoE activation {name} ({said}; vllm 0.33.0 {where})"
+
+
+def _said(v: Verdict, said: str) -> Verdict:
+    return Verdict(v.summary + said, v.problem)
 
 
 def _vllm_oracle(srv: Server, act: str, mem: Memory, tp: int, int4: str, marlin: bool) -> Verdict:

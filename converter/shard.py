@@ -83,6 +83,7 @@ class _CopyPiece:
     info: object       # TensorInfo of the tensor
     offset: int        # within the tensor
     size: int
+    name: str = ""     # its name in DST (plan.Copy.out_name)
     data: np.ndarray | None = None
     buf: object = None  # pool buffer, given back once written
 
@@ -144,7 +145,7 @@ def _units(sp: ShardPlan, batch_groups: int):
             batch, size = [], 0
         info = it.info
         for off in range(0, max(info.nbytes, 1), COPY_PIECE):
-            yield _CopyPiece(info, off, min(COPY_PIECE, info.nbytes - off))
+            yield _CopyPiece(info, off, min(COPY_PIECE, info.nbytes - off), it.out_name)
     if batch:
         yield _Batch(batch)
 
@@ -360,7 +361,7 @@ class ShardConverter:
             while writes and writes[0].done():
                 writes.popleft().result()  # a writer's error stops the shard here
             if isinstance(unit, _CopyPiece):
-                writes.append(wr.submit(self._write, writer, [(unit.info.name, unit.data)], unit.offset,
+                writes.append(wr.submit(self._write, writer, [(unit.name, unit.data)], unit.offset,
                                         self._copies, unit.buf, progress, unit.size, stages))
                 continue
             with stages.time("wait_write"):

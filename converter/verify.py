@@ -24,7 +24,7 @@ from .errors import BadInput, ConvertError, VerifyFailed
 from .formats import checkpoint as ckpt
 from .formats.safetensors_io import Header, TensorInfo, read_header
 from .digest import ALGORITHM as DIGEST_ALGORITHM, file_digest
-from .formats.dialect import EXPERT_TARGET, TARGET_FORMAT
+from .formats.dialect import EXPERT_TARGET, TARGET_FORMAT, is_fp8_block_group, source_name
 from .formats.json_input import ListOf, MapOf, Nullable, type_problems
 from .manifest import MANIFEST, REPORT, TENSOR_TABLE, json_bytes, read_json, read_rows
 from .outputs import BOOKKEEPING, CONFIG, Expected, accepted, expected, listing, named_by
@@ -288,6 +288,8 @@ def int4_block_problems(block: dict) -> list[str]:
     want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
     for gname, g in groups.items():
         g = g if isinstance(g, dict) else {}
+        if is_fp8_block_group(g):   # the source's FP8 linears, kept as they were (formats/fp8_mxfp4.py)
+            continue
         if g.get("format", "pack-quantized") != "pack-quantized":
             out.append(f"config_groups.{gname}.format is {g.get('format')!r}")
         w = g.get("weights") or {}
@@ -301,6 +303,30 @@ def int4_block_problems(block: dict) -> list[str]:
     return out
 
 
+def fp8_modules(d: _Dst) -> list[str]:
+    """Modules DST holds as FP8 block linears: an e4m3 weight beside an fp32 weight_scale."""
+    out = []
+    for t, (_, info) in d.where.items():
+        scale = d.where.get(f"{t}_scale")
+        if t.endswith(".weight") and info.dtype == "F8_E4M3" and scale is not None and scale[1].dtype == "F32":
+            out.append(t[: -len(".weight")])
+    return sorted(out)
+
+
+def fp8_group_problems(blocks: list[tuple[tuple[str, ...], dict]], fp8: list[str]) -> list[str]:
+    """The FP8 block group (formats/fp8_mxfp4.py) names exactly the FP8 linears DST holds, by name."""
+    named = sorted({t for _, b in blocks for g in (b.get("config_groups") or {}).values()
+                    if is_fp8_block_group(g) for t in g.get("targets") or []})
+    out = []
+    if set(named) - set(fp8):
+        out.append(f"the FP8 group targets {sorted(set(named) - set(fp8))[:5]}, which hold no e4m3 weight and "
+                   "fp32 weight_scale")
+    if set(fp8) - set(named):
+        out.append(f"{len(set(fp8) - set(named))} FP8 linear(s) that no FP8 group names (a loader would read the "
+                   f"e4m3 bytes as bf16): {sorted(set(fp8) - set(named))[:5]}")
+    return out
+
+
 def _check_config(d: _Dst, c: Check) -> Check:
     if d.config is None:
         return c  # _load said why
@@ -309,9 +335,11 @@ def _check_config(d: _Dst, c: Check) -> Check:
         c.fail("no quantization_config (top-level or nested)")
     for path, block in blocks:
         c.problems += [f"{'.'.join(path)} {p}" for p in int4_block_problems(block)]
+    fp8 = fp8_modules(d)
     if not c.problems:
         c.problems += selection_problems(blocks, converted_modules(d),
-                                         sorted({t[:-7] for t in d.where if t.endswith(".weight")}))
+                                         sorted({t[:-7] for t in d.where if t.endswith(".weight")} - set(fp8)))
+        c.problems += fp8_group_problems(blocks, fp8)
     c.summary = "quantization_config at " + (", ".join(".".join(p) for p, _ in blocks) or "nowhere")
     return c
 
@@ -383,7 +411,7 @@ def selection_problems(blocks: list[tuple[tuple[str, ...], dict]], converted: li
         return exact, [p for p in patterns if p not in exact]
 
     groups = [(g.get("targets") or [], b.get("ignore") or []) for _, b in blocks
-              for g in (b.get("config_groups") or {}).values()]
+              for g in (b.get("config_groups") or {}).values() if not is_fp8_block_group(g)]
     fast = [(fast_rule(t), fast_rule(i)) for t, i in groups]
     loader = [(split(t), split(i)) for t, i in groups]
 
@@ -847,9 +875,10 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
 
     produced = {f"{m}.{x}" for m in converted_modules(d) for x in (PACKED, SCALE, SHAPE)}
     others = spread(sorted(t for t in d.where if t not in produced), sample)
+    renamed = [tuple(r) for r in quant.get("renamed") or [] if isinstance(r, list) and len(r) == 2]
     for t in others:
         try:
-            a, b = s_t.get(t), d_t.get(t)
+            a, b = s_t.get(source_name(t, renamed)), d_t.get(t)
         except KeyError:
             copy.fail(f"{t}: not in the source")
             continue

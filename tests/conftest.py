@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -67,6 +68,11 @@ def ct_mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sd["weight_packed"], sd["weight_scale"]
 
 
+def heavy_tailed(*shape: int) -> torch.Tensor:
+    """float32 weights like a trained model's: Student-t (4 degrees of freedom) over sqrt(in)."""
+    return torch.distributions.StudentT(4.0).sample(shape) / math.sqrt(shape[-1])
+
+
 # ---------------------------------------------------------------- independent decoders
 
 def ct_mxfp4_values(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -79,6 +85,13 @@ def ct_mxfp4_values(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def ct_int4_q(packed: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     """int4 codes q in [-8, 7] (int8) with compressed-tensors' unpack_from_int32."""
     return unpack_from_int32(packed, 4, torch.Size(shape.tolist()))
+
+
+def ct_int4_values(tensors: dict, module: str) -> torch.Tensor:
+    """A converted module's int4 values q * scale (float64 [out, in]), decoded by compressed-tensors;
+    ``tensors``: name -> (shard, tensor), as all_tensors returns."""
+    q = ct_int4_q(tensors[f"{module}.weight_packed"][1], tensors[f"{module}.weight_shape"][1]).double()
+    return q * tensors[f"{module}.weight_scale"][1].double().repeat_interleave(32, dim=1)
 
 
 # ---------------------------------------------------------------- file helpers

@@ -15,8 +15,8 @@ from typing import Any
 
 from ..errors import BadInput
 from ..safepath import plain_name, source_file
-from . import compressed_tensors, json_input, quark  # noqa: F401  (importing a dialect registers it)
-from .dialect import (DIALECTS, DROP_FLAG, MXFP4_FORMAT, PACKED, SCALE, SHAPE, MXFP4Source,  # noqa: F401
+from . import compressed_tensors, fp8_mxfp4, json_input, quark  # noqa: F401  (importing a dialect registers it)
+from .dialect import (DIALECTS, DROP_FLAG, EXPERT_TARGET, MXFP4_FORMAT, PACKED, SCALE, SHAPE, MXFP4Source,  # noqa: F401
                       _matches, dotted, named, quant_blocks)
 
 INDEX = "model.safetensors.index.json"
@@ -65,7 +65,8 @@ def dialect(config: dict, config_path: str) -> str:
     p, b = blocks[0]
     hint = " (gpt-oss's MXFP4 layout, which k3convert does not read)" if b.get("quant_method") == "mxfp4" else ""
     raise BadInput(f"{dotted(p)} says quant_method={b.get('quant_method')!r}, format={b.get('format')!r}{hint}: "
-                   f"k3convert converts compressed-tensors {MXFP4_FORMAT} and AMD Quark MXFP4 checkpoints",
+                   f"k3convert converts compressed-tensors {MXFP4_FORMAT}, AMD Quark MXFP4 and vLLM fp8 (store_dtype "
+                   f"mxfp4) checkpoints",
                    file=config_path)
 
 

@@ -62,6 +62,9 @@ class MXFP4Source:
     scale_note: str = "OCP E8M0 (bias 127)"
     dropped: tuple[dict, ...] = ()
     dropped_tensors: tuple[str, ...] = ()  # tensor-name suffixes that only served dropped parts
+    # (source suffix, output suffix) of copied tensors whose name the output's config reads
+    # differently (MiMo's FP8 weight_scale_inv -> compressed-tensors' weight_scale); bytes unchanged
+    renames: tuple[tuple[str, str], ...] = ()
 
     def selects(self, module: str) -> bool:
         raise NotImplementedError
@@ -75,7 +78,29 @@ class MXFP4Source:
         """What the manifest and report say about the source's quantization."""
         return {"dialect": self.dialect, "blocks": [dotted(p) for p in self.blocks],
                 "packed_suffix": self.packed_suffix, "scale_bias": self.scale_bias,
-                "scale_convention": self.scale_note, "dropped": list(self.dropped)}
+                "scale_convention": self.scale_note, "dropped": list(self.dropped),
+                **({"renamed": [list(r) for r in self.renames]} if self.renames else {})}
+
+    def seen(self, tensors: Any) -> "MXFP4Source":
+        """This source, told the checkpoint's tensor names (a dialect whose config depends on them
+        returns a copy that records what it needs)."""
+        return self
+
+    def out_name(self, name: str) -> str:
+        """A copied tensor's name in DST (``renames``), else its own."""
+        for old, new in self.renames:
+            if name.endswith(old):
+                return name[: -len(old)] + new
+        return name
+
+
+def source_name(name: str, renames: Any) -> str:
+    """The source tensor a DST tensor was copied from: the inverse of ``MXFP4Source.out_name`` for
+    the (source suffix, output suffix) pairs the manifest records."""
+    for old, new in renames:
+        if name.endswith(new) and not name.endswith(old):
+            return name[: -len(new)] + old
+    return name
 
 
 def int4_weights() -> dict[str, Any]:
@@ -129,6 +154,28 @@ def int4_block(targets: list[str], ignore: list[str], keep: dict[str, Any] | Non
         **(keep or {}),
         RULE_KEY: rule,
     }
+
+
+FP8_BLOCK_FORMAT = "float-quantized"
+
+
+def fp8_block_group(targets: list[str], block: list[int]) -> dict:
+    """The compressed-tensors group that describes FP8 block-quantized linears passed through as
+    they are (llm-compressor's FP8_BLOCK scheme): e4m3 weights with one fp32 scale per block,
+    activations quantized at run time per token and group of ``block[1]``."""
+    return {"targets": list(targets), "format": FP8_BLOCK_FORMAT,
+            "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                        "block_structure": list(block), "dynamic": False, "actorder": None, "observer": "minmax"},
+            "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
+                                  "group_size": block[1], "dynamic": True, "observer": None},
+            "output_activations": None}
+
+
+def is_fp8_block_group(group: Any) -> bool:
+    """A group written by :func:`fp8_block_group`: source FP8 linears kept, not int4 experts."""
+    w = group.get("weights") if isinstance(group, dict) else None
+    return isinstance(w, dict) and group.get("format") == FP8_BLOCK_FORMAT and w.get("num_bits") == 8 \
+        and w.get("type") == "float" and w.get("strategy") == "block"
 
 
 def drop_or_refuse(where: str, spec: Any, what: str, drop: bool, dropped: list[dict], problems: list[str]) -> None:

@@ -92,6 +92,7 @@ def record_oracle() -> None:
         ASKED.append({"activation": str(getattr(config.activation, "value", config.activation)),
                       "situ_beta": getattr(config, "activation_situ_beta", None),
                       "situ_linear_beta": getattr(config, "activation_situ_linear_beta", None),
+                      **{k: getattr(config, k, None) for k in ("swiglu_alpha", "swiglu_beta", "swiglu_limit")},
                       "weight_key": str(weight_key), "hidden_dim": config.hidden_dim,
                       "intermediate_size": config.intermediate_size, "zero_points": may_have_zp})
         return None, None

@@ -1,0 +1,110 @@
+"""vLLM's FP8 config carrying MXFP4 routed experts (MiMo-V2.x FP4: ``quant_method: fp8``,
+``store_dtype: mxfp4``, ``mxfp4_block_size: 32``), registered as the dialect "fp8-mxfp4".
+
+What vLLM 0.33.0 does with such a checkpoint (``model_executor/layers/quantization/fp8.py``):
+``Fp8Config.get_quant_method`` gives every routed-experts layer ``Mxfp4MoEMethod`` when
+``store_dtype == "mxfp4"`` (199-204; on gfx942 EMULATION, ``fused_moe/oracle/mxfp4.py`` 443-447)
+and every other linear ``Fp8LinearMethod``, block-quantized by ``weight_block_size`` with
+``X.weight`` e4m3 and ``X.weight_scale_inv`` fp32 (338-339), unless ``ignored_layers`` /
+``modules_to_not_convert`` names it (exact match). An expert is ``X.weight`` uint8 ``[out, in/2]``
++ ``X.weight_scale`` E8M0 uint8 ``[out, in/32]``: the OCP bytes (``mimo_v2.py`` 854-864 maps
+``experts.E.gate_proj|up_proj|down_proj``).
+
+The output is compressed-tensors: the experts int4 (group 0), the FP8 linears described as they
+are (group 1, ``dialect.fp8_block_group``): vLLM's compressed-tensors FP8 scheme registers
+``weight_scale`` (``compressed_tensors_w8a8_fp8.py`` 127-134) and ``mimo_v2.py``'s loader skips a
+name it has no parameter for (958-960, 979-980), so each ``weight_scale_inv`` is written as
+``weight_scale``, bytes unchanged (docs/mimo.md).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..errors import BadInput
+from .dialect import (DEFAULT_RULE, EXPERT_TARGET, SCALE, Dialect, MXFP4Source, _matches, dotted, fp8_block_group,
+                      int4_block, int4_targets, quant_blocks, register)
+
+FP8_SCALE, CT_SCALE = ".weight_scale_inv", "." + SCALE
+
+
+def _is_fp8(block: dict) -> bool:
+    return block.get("quant_method") == "fp8"
+
+
+def _is_mxfp4_experts(block: dict) -> bool:
+    return _is_fp8(block) and block.get("store_dtype") == "mxfp4"
+
+
+@dataclass(frozen=True)
+class Fp8Mxfp4Source(MXFP4Source):
+    """The FP8 block's ignore list and block size, and (once ``seen``) its FP8 linears."""
+
+    ignored: tuple[str, ...] = ()
+    weight_block: tuple[int, int] = (128, 128)
+    fp8_modules: tuple[str, ...] = ()
+
+    def selects(self, module: str) -> bool:
+        """Routed experts only (Fp8Config gives Mxfp4MoEMethod to the experts layer alone), unless
+        the experts layer (``<layer>.experts``) or the module is ignored."""
+        layer = module.rsplit(".", 2)[0]
+        return _matches(module, EXPERT_TARGET) and layer not in self.ignored and module not in self.ignored
+
+    def seen(self, tensors: Any) -> "Fp8Mxfp4Source":
+        return replace(self, fp8_modules=tuple(sorted(n[: -len(FP8_SCALE)] for n in tensors if n.endswith(FP8_SCALE))))
+
+    def int4_config(self, config: dict, converted: list[str], unconverted: list[str],
+                    rule: str = DEFAULT_RULE) -> dict:
+        """The FP8 block replaced by compressed-tensors: int4 experts (group 0, ``int4_targets``) and
+        the FP8 linears by exact name (group 1: vLLM matches a fused layer through its shards'
+        names, ``compressed_tensors/utils.py`` 73-111); the rest (norms, router, embeddings, head)
+        matches no target and loads as bf16, as it did under Fp8Config."""
+        targets, ignore = int4_targets(converted, unconverted)
+        out = copy.deepcopy(config)
+        for path in self.blocks:
+            parent = out
+            for key in path[:-1]:
+                parent = parent[key]
+            block = int4_block(targets, ignore, rule=rule)
+            if self.fp8_modules:
+                block["config_groups"]["group_1"] = fp8_block_group(list(self.fp8_modules), list(self.weight_block))
+            parent[path[-1]] = block
+        return out
+
+
+def fp8_mxfp4_source(config: dict, config_path: str, drop: bool = False) -> Fp8Mxfp4Source:
+    """The description of an FP8-config checkpoint with MXFP4 experts, or one refusal naming every problem."""
+    blocks = [(p, b) for p, b in quant_blocks(config) if _is_fp8(b)]
+    if len(blocks) != 1:
+        raise BadInput(f"{len(blocks)} fp8 quantization_config blocks: expected one", file=config_path)
+    path, b = blocks[0]
+    where, problems = dotted(path), []
+    if b.get("store_dtype") != "mxfp4":
+        problems.append(f"{where}.store_dtype is {b.get('store_dtype')!r}: only MXFP4 experts (store_dtype "
+                        "'mxfp4') are converted")
+    if b.get("mxfp4_block_size", 32) != 32:
+        problems.append(f"{where}.mxfp4_block_size is {b.get('mxfp4_block_size')!r}: MXFP4 groups are 32")
+    if b.get("activation_scheme") != "dynamic":
+        problems.append(f"{where}.activation_scheme is {b.get('activation_scheme')!r}: vLLM's block FP8 takes "
+                        "'dynamic' only (fp8.py 124-130)")
+    block = b.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(type(x) is int and x > 0 for x in block)):
+        problems.append(f"{where}.weight_block_size is {block!r}: expected two positive integers")
+    ignored = b.get("ignored_layers") or b.get("modules_to_not_convert") or []
+    if not (isinstance(ignored, list) and all(isinstance(x, str) for x in ignored)):
+        problems.append(f"{where}.ignored_layers is not a list of module names")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if (text.get("attention_projection_layout") or config.get("attention_projection_layout")) == "fused_qkv":
+        problems.append("attention_projection_layout is 'fused_qkv': vLLM's MiMo loader shards that fused, "
+                        "pre-chunked qkv_proj only under Fp8Config (mimo_v2.py 387-392 reads "
+                        "quant_config.weight_block_size, 1012-1050 keys on qkv_proj.weight_scale_inv); under "
+                        "compressed-tensors it would load Q, K and V mixed: not converted")
+    if problems:
+        raise BadInput("; ".join(problems), file=config_path)
+    return Fp8Mxfp4Source(dialect="fp8-mxfp4", blocks=(path,), packed_suffix="weight",
+                          scale_note="OCP E8M0 (bias 127; vLLM Fp8Config store_dtype mxfp4)",
+                          renames=((FP8_SCALE, CT_SCALE),), ignored=tuple(ignored), weight_block=tuple(block))
+
+
+register(Dialect("fp8-mxfp4", _is_fp8, _is_mxfp4_experts, fp8_mxfp4_source))

@@ -1,0 +1,90 @@
+"""A tiny MiMo-V2 FP4 checkpoint (FP8 config, MXFP4 routed experts), shaped as vLLM 0.33.0 reads it.
+
+No MiMo checkpoint is read here (no hub): names, dtypes and config fields come from vLLM's code.
+``model_executor/models/mimo_v2.py``: ``model.layers.L.self_attn.{q,k,v,o}_proj``, dense
+``mlp.{gate,up,down}_proj`` where ``moe_layer_freq`` is 0, MoE ``mlp.gate`` (fp32 router) +
+``mlp.gate.e_score_correction_bias`` + ``mlp.experts.E.{gate,up,down}_proj`` (854-864);
+``hybrid_layer_pattern`` picks the sliding-window attention (``swa_*`` fields).
+``model_executor/layers/quantization/fp8.py``: ``quant_method fp8``, ``activation_scheme dynamic``,
+``weight_block_size [128, 128]``, ``store_dtype mxfp4`` (164-204); FP8 linears are ``X.weight``
+e4m3 + ``X.weight_scale_inv`` fp32, one per 128x128 block (a dequantization multiplier); experts
+``X.weight`` uint8 + ``X.weight_scale`` E8M0, packed here by compressed-tensors
+(``conftest.ct_mxfp4_encode``). The FP8 bytes only pass through: they are made by a plain
+amax/448 block rule.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from conftest import ct_mxfp4_encode, heavy_tailed
+
+BLOCK = 128
+TEXT = dict(model_type="mimo_v2_flash", architectures=["MiMoV2FlashForCausalLM"], hidden_size=128,
+            intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+            num_key_value_heads=2, head_dim=128, v_head_dim=128, swa_num_attention_heads=2,
+            swa_num_key_value_heads=2, swa_head_dim=128, swa_v_head_dim=128, sliding_window_size=64,
+            hybrid_layer_pattern=[0, 1, 0], moe_layer_freq=[0, 1, 1], n_routed_experts=4, num_experts_per_tok=2,
+            n_group=1, topk_group=1, norm_topk_prob=True, hidden_act="silu", layernorm_epsilon=1e-5,
+            attention_bias=False, max_position_embeddings=256, vocab_size=256, rope_theta=5000000.0,
+            partial_rotary_factor=0.334, tie_word_embeddings=False, torch_dtype="bfloat16")
+QUANT = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [BLOCK, BLOCK],
+         "store_dtype": "mxfp4", "mxfp4_block_size": 32, "ignored_layers": ["lm_head"]}
+
+
+def fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [out, in] -> (e4m3 [out, in], fp32 scale_inv [ceil(out/128), ceil(in/128)]): w ~ q * s."""
+    rows, cols = w.shape
+    br, bc = -(-rows // BLOCK), -(-cols // BLOCK)
+    s = torch.empty(br, bc)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(br):
+        for j in range(bc):
+            blk = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK]
+            s[i, j] = blk.abs().amax().clamp(min=1e-12) / 448.0
+            q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (blk / s[i, j]).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def write(dst: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The checkpoint in ``dst``; returns the float experts it packed, by module."""
+    torch.manual_seed(seed)
+    os.makedirs(dst, exist_ok=True)
+    h, e, inter = TEXT["hidden_size"], TEXT["n_routed_experts"], TEXT["moe_intermediate_size"]
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": heavy_tailed(TEXT["vocab_size"], h).bfloat16(),
+                                    "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+                                    "lm_head.weight": heavy_tailed(TEXT["vocab_size"], h).bfloat16()}
+    experts = {}
+
+    def fp8(module: str, rows: int, cols: int) -> None:
+        out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = fp8_block(heavy_tailed(rows, cols))
+
+    for layer, moe in enumerate(TEXT["moe_layer_freq"]):
+        p = f"model.layers.{layer}"
+        out[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        out[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        heads = TEXT["num_attention_heads"] * TEXT["head_dim"]
+        kv = TEXT["num_key_value_heads"] * TEXT["head_dim"]
+        for name, rows in (("q_proj", heads), ("k_proj", kv), ("v_proj", kv)):
+            fp8(f"{p}.self_attn.{name}", rows, h)
+        fp8(f"{p}.self_attn.o_proj", h, heads)
+        if not moe:
+            d = TEXT["intermediate_size"]
+            fp8(f"{p}.mlp.gate_proj", d, h)
+            fp8(f"{p}.mlp.up_proj", d, h)
+            fp8(f"{p}.mlp.down_proj", h, d)
+            continue
+        out[f"{p}.mlp.gate.weight"] = heavy_tailed(e, h)                                  # fp32 router (moe_router_dtype)
+        out[f"{p}.mlp.gate.e_score_correction_bias"] = torch.zeros(e)
+        for x in range(e):
+            for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+                m = f"{p}.mlp.experts.{x}.{proj}"
+                experts[m] = heavy_tailed(*shape).bfloat16()
+                out[f"{m}.weight"], out[f"{m}.weight_scale"] = ct_mxfp4_encode(experts[m].float())
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump({**TEXT, "quantization_config": dict(QUANT)}, f, indent=2)
+    return experts

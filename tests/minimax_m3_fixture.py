@@ -1,0 +1,118 @@
+"""A tiny MiniMax-M3 MXFP4 checkpoint, shaped as vLLM 0.33.0's loader expects it.
+
+No MiniMax-M3 checkpoint is read here (no hub): names, dtypes and the config fields come from
+vLLM's own code (``models/minimax_m3/amd/model.py``: ``block_sparse_moe.experts.E.w1|w2|w3``
+mapped as gate/down/up at 1581-1591, ``FusedMoEFactory(activation="swigluoai_uninterleave",
+swiglu_alpha/beta/limit=config...)`` at 454-479, dense layers under ``mlp``, the language model
+under ``language_model.``; ``transformers_utils/configs/minimax_m3.py``: ``model_type
+minimax_m3_vl`` with ``text_config``, whose ``swiglu_beta`` the real config omits). Experts are
+packed by compressed-tensors (``conftest.ct_mxfp4_encode``) and its ``ModelCompressor`` writes
+the ``quantization_config``; everything else is bf16, and the router and its score-correction
+bias fp32, as vLLM builds them.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.quantization import QuantizationConfig
+from safetensors.torch import save_file
+
+from conftest import MXFP4_SCHEME, ct_mxfp4_encode, heavy_tailed
+
+PREFIX = "language_model.model.layers"
+# layer 0 dense, layers 1 and 2 MoE (moe_layer_freq), as the real model's first layers are dense
+TEXT = dict(model_type="minimax_m3_text", hidden_size=64, intermediate_size=96, dense_intermediate_size=128,
+            shared_intermediate_size=96, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=32, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_layer_freq=[0, 1, 1],
+            hidden_act="swigluoai", swiglu_alpha=1.702, swiglu_limit=7.0, scoring_func="sigmoid",
+            use_routing_bias=True, routed_scaling_factor=2.0, vocab_size=128, torch_dtype="bfloat16")
+IGNORE = ["re:.*self_attn.*", r"re:.*block_sparse_moe\.gate$", "re:.*shared_experts.*", r"re:.*\.mlp\..*",
+          "re:.*lm_head.*", "re:.*vision_tower.*"]
+
+
+def _t(*shape: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return heavy_tailed(*shape).to(dtype)
+
+
+def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, bf16 experts included (packed by :func:`write`)."""
+    torch.manual_seed(seed)
+    h, inter, e = TEXT["hidden_size"], TEXT["intermediate_size"], TEXT["num_local_experts"]
+    qkv = TEXT["num_attention_heads"] * TEXT["head_dim"], TEXT["num_key_value_heads"] * TEXT["head_dim"]
+    out = {"language_model.model.embed_tokens.weight": _t(TEXT["vocab_size"], h),
+           "language_model.model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+           "language_model.lm_head.weight": _t(TEXT["vocab_size"], h)}
+    for layer, moe in enumerate(TEXT["moe_layer_freq"]):
+        p = f"{PREFIX}.{layer}"
+        out[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        out[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        for name, rows in (("q_proj", qkv[0]), ("k_proj", qkv[1]), ("v_proj", qkv[1])):
+            out[f"{p}.self_attn.{name}.weight"] = _t(rows, h)
+        out[f"{p}.self_attn.o_proj.weight"] = _t(h, qkv[0])
+        if not moe:
+            d = TEXT["dense_intermediate_size"]
+            out[f"{p}.mlp.gate_proj.weight"], out[f"{p}.mlp.up_proj.weight"] = _t(d, h), _t(d, h)
+            out[f"{p}.mlp.down_proj.weight"] = _t(h, d)
+            continue
+        m = f"{p}.block_sparse_moe"
+        out[f"{m}.gate.weight"] = _t(e, h, dtype=torch.float32)
+        out[f"{m}.e_score_correction_bias"] = torch.zeros(e, dtype=torch.float32)
+        s = TEXT["shared_intermediate_size"]
+        out[f"{m}.shared_experts.gate_proj.weight"] = _t(s, h)
+        out[f"{m}.shared_experts.up_proj.weight"] = _t(s, h)
+        out[f"{m}.shared_experts.down_proj.weight"] = _t(h, s)
+        for x in range(e):
+            out[f"{m}.experts.{x}.w1.weight"] = _t(inter, h)     # gate
+            out[f"{m}.experts.{x}.w3.weight"] = _t(inter, h)     # up
+            out[f"{m}.experts.{x}.w2.weight"] = _t(h, inter)     # down
+    return out
+
+
+def is_expert(name: str) -> bool:
+    return ".block_sparse_moe.experts." in name and name.endswith((".w1.weight", ".w2.weight", ".w3.weight"))
+
+
+def write(dst: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The compressed-tensors MXFP4 checkpoint in ``dst``; returns the bf16 experts it packed."""
+    os.makedirs(dst, exist_ok=True)
+    out, experts = {}, {}
+    for name, t in tensors(seed).items():
+        if not is_expert(name):
+            out[name] = t
+            continue
+        module = name[: -len(".weight")]
+        experts[module] = t
+        out[f"{module}.weight_packed"], out[f"{module}.weight_scale"] = ct_mxfp4_encode(t.float())
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    config = {"model_type": "minimax_m3_vl", "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+              "text_config": dict(TEXT), "torch_dtype": "bfloat16"}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    qc = QuantizationConfig(config_groups={"group_0": MXFP4_SCHEME}, format="mxfp4-pack-quantized",
+                            quantization_status="compressed", ignore=IGNORE)
+    ModelCompressor(quantization_config=qc).update_config(dst)
+    return experts
+
+
+# Quark's exclude (fnmatch) for what MiniMax-M3 keeps in bf16, the checkpoint's names
+QUARK_EXCLUDE = ["*lm_head", "*self_attn*", "*block_sparse_moe.gate", "*shared_experts*", "*.mlp.*", "*vision_tower*"]
+
+
+def write_quark(dst: str, quark_block: dict, seed: int = 0) -> None:
+    """The same checkpoint as an AMD Quark MXFP4 export: ``X.weight`` + ``X.weight_scale`` (the bytes
+    of compressed-tensors' packing, which docs/quark.md shows Quark's packer writes too) and
+    ``quark_block``, a ``quantization_config`` written by amd-quark's exporter, its ``exclude`` set
+    to MiniMax-M3's bf16 modules."""
+    from safetensors.torch import load_file
+    write(dst, seed)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = {n.replace(".weight_packed", ".weight"): t for n, t in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {**quark_block, "exclude": list(QUARK_EXCLUDE)}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)

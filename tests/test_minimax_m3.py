@@ -1,0 +1,149 @@
+"""MiniMax-M3 (compressed-tensors MXFP4 build): converts from a fixture shaped as vLLM's loader
+expects (tests/minimax_m3_fixture.py), decoded by compressed-tensors, judged by the serving model.
+
+What must hold: only the routed experts become int4 and the config selects them under vLLM's
+lookup names and nothing else; every other tensor is byte-identical; MiniMax's swiglu
+alpha/limit are kept where vLLM reads them (text_config) and stated in every shard;
+``verify --serving vllm-rocm`` passes naming TritonWNA16 and swigluoai_uninterleave, while
+SGLang 0.5.23's WNA16 MoE (silu only) is a failure, not a pass.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+import minimax_m3_fixture as mm3
+from conftest import all_tensors, ct_int4_values, ct_mxfp4_values, read_json, tensor_bytes
+from converter import serving
+from converter.formats.dialect import _matches
+from converter.pipeline import Options, convert
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mm3")
+    src, dst = str(root / "src"), str(root / "dst")
+    mm3.write(src)
+    convert(src, dst, Options())
+    return src, dst
+
+
+def test_experts_int4_everything_else_identical(done):
+    src, dst = done
+    before, after = all_tensors(src), all_tensors(dst)
+    experts = sorted(n[: -len(".weight_packed")] for n in before if n.endswith(".weight_packed"))
+    assert len(experts) == 2 * 4 * 3
+    for m in experts:
+        want = ct_mxfp4_values(before[f"{m}.weight_packed"][1], before[f"{m}.weight_scale"][1])
+        got = ct_int4_values(after, m)
+        assert after[f"{m}.weight_scale"][1].dtype == torch.bfloat16
+        assert (got - want).norm() / want.norm() < 0.12, m
+    others = {n for n in before if not n.startswith(tuple(experts))}
+    assert others and {n for n in after if not n.startswith(tuple(experts))} == others
+    for n in others:
+        assert before[n][1].dtype == after[n][1].dtype and tensor_bytes(before[n][1]) == tensor_bytes(after[n][1]), n
+
+
+def test_targets_select_the_experts_under_vllms_names_only(done):
+    _, dst = done
+    cfg = read_json(os.path.join(dst, "config.json"))
+    block = cfg["quantization_config"]
+    (group,) = block["config_groups"].values()
+    targets, ignore = group["targets"], block["ignore"]
+
+    def selected(name: str) -> bool:
+        return not any(_matches(name, p) for p in ignore) and any(_matches(name, t) for t in targets)
+
+    layer = "language_model.model.layers.1.block_sparse_moe.experts"
+    for proj in ("gate_proj", "up_proj", "down_proj"):   # vLLM's lookup (compressed_tensors_moe.py 36-58)
+        assert selected(f"{layer}.0.{proj}")
+    for other in ("language_model.model.layers.1.self_attn.qkv_proj", "language_model.model.layers.0.mlp.gate_up_proj",
+                  "language_model.model.layers.1.block_sparse_moe.shared_experts.gate_up_proj",
+                  "language_model.model.layers.1.block_sparse_moe.gate", "language_model.lm_head"):
+        assert not selected(other), other
+    assert group["weights"]["type"] == "int" and group["input_activations"] is None
+
+
+def test_activation_kept(done):
+    _, dst = done
+    text = read_json(os.path.join(dst, "config.json"))["text_config"]
+    assert (text["hidden_act"], text["swiglu_alpha"], text["swiglu_limit"]) == ("swigluoai", 1.702, 7.0)
+    from safetensors import safe_open
+    with safe_open(os.path.join(dst, "model.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert (meta["hidden_act"], meta["swiglu_alpha"], meta["swiglu_limit"]) == ("swigluoai", "1.702", "7.0")
+
+
+def test_serving_vllm_rocm_passes_triton_sglang_fails(done):
+    _, dst = done
+    ok = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", 1)}
+    assert all(r.ok for r in ok.values()), [r.message for r in ok.values() if not r.ok]
+    note = ok["kernel"].message
+    assert "TRITON (TritonWNA16Experts)" in note and "swigluoai_uninterleave" in note
+    assert "alpha 1.702" in note and "limit 7.0" in note and "beta 1.0 (default)" in note
+    sg = {r.rule: r for r in serving.check_serving(dst, "sglang-rocm", 1)}
+    assert not sg["kernel"].ok and "asserts activation == 'silu'" in sg["kernel"].message
+
+
+def test_a_non_expert_mxfp4_linear_is_refused(tmp_path):
+    """The profile converts routed experts only: an MXFP4 attention linear is named, not converted."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import ct_mxfp4_encode, write_json
+    from converter.errors import BadInput
+
+    src = str(tmp_path / "src")
+    mm3.write(src)
+    path = os.path.join(src, "model.safetensors")
+    t = load_file(path)
+    name = "language_model.model.layers.1.self_attn.o_proj"
+    t[f"{name}.weight_packed"], t[f"{name}.weight_scale"] = ct_mxfp4_encode(t.pop(f"{name}.weight").float())
+    save_file(t, path, metadata={"format": "pt"})
+    cfg = read_json(os.path.join(src, "config.json"))
+    cfg["quantization_config"]["ignore"] = [i for i in cfg["quantization_config"]["ignore"] if "self_attn" not in i]
+    write_json(os.path.join(src, "config.json"), cfg)
+    with pytest.raises(BadInput, match=r"o_proj\.weight_packed: MXFP4, but profile 'minimax-m3' converts routed"):
+        convert(src, str(tmp_path / "dst"), Options())
+
+
+def test_quark_w4a4_export_converts_weight_only_to_the_same_int4(done, tmp_path):
+    """A Quark MXFP4 W4A4 block (written by amd-quark's exporter) over the same expert bytes: the
+    minimax-m3-quark profile reads it, refuses it without --drop-activation-quant, and with it
+    writes int4 byte-identical to the compressed-tensors route's, the dropped spec recorded."""
+    from quark_fixture import export_quark_mxfp4
+    from converter.errors import BadInput
+
+    block = read_json(os.path.join(export_quark_mxfp4(str(tmp_path / "q"), variant="w4a4"), "config.json"))
+    src = str(tmp_path / "src")
+    mm3.write_quark(src, block["quantization_config"])
+    with pytest.raises(BadInput, match="--drop-activation-quant"):
+        convert(src, str(tmp_path / "refused"), Options())
+    dst = str(tmp_path / "dst")
+    convert(src, dst, Options(drop_activation_quant=True))
+    manifest = read_json(os.path.join(dst, "k3convert_manifest.json"))
+    assert manifest["source"]["profile"]["name"] == "minimax-m3-quark"
+    assert manifest["source"]["quantization"]["dialect"] == "quark" and manifest["source"]["quantization"]["dropped"]
+    ours, ct = all_tensors(dst), all_tensors(done[1])
+    assert set(ours) == set(ct)
+    for n in ct:
+        assert tensor_bytes(ours[n][1]) == tensor_bytes(ct[n][1]), n
+
+
+def test_an_incomplete_download_is_caught_by_the_inventory(tmp_path):
+    """The profile's inventory (moe_layer_freq x num_local_experts x w1/w2/w3) names a missing expert."""
+    from safetensors.torch import load_file, save_file
+
+    from converter.errors import BadInput
+
+    src = str(tmp_path / "src")
+    mm3.write(src)
+    path = os.path.join(src, "model.safetensors")
+    t = load_file(path)
+    gone = "language_model.model.layers.2.block_sparse_moe.experts.3.w2"
+    del t[f"{gone}.weight_packed"], t[f"{gone}.weight_scale"]
+    save_file(t, path, metadata={"format": "pt"})
+    with pytest.raises(BadInput, match=rf"expected 24 expert matrices, found 23: missing {re.escape(gone)}"):
+        convert(src, str(tmp_path / "dst"), Options())

@@ -1,0 +1,80 @@
+"""vLLM's own MiMo-V2 class (``model_executor/models/mimo_v2.py``), built on the CPU from our
+output's config by ``tests/vllm_scripts/moe_model_quant_methods.py``: the routed experts get
+``CompressedTensorsWNA16MoEMethod`` and ask the int4 backend oracle for silu with uint4b8 group-32
+symmetric weights (TRITON on gfx942 in converter/serving.py's model of that oracle); the FP8
+linears, fused ones included (qkv_proj, gate_up_proj), get compressed-tensors' FP8 block method
+with the keys Fp8Config's block method has (e4m3 128x128 weights, dynamic 1x128 activations) and
+register ``weight_scale``, the name our output gives their scales; router, embeddings and head
+stay unquantized. Needs K3CONVERT_VLLM_PYTHON (skips without it, fails under
+K3CONVERT_REQUIRE_VLLM=1), as tests/test_vllm_quant_methods.py.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+import mimo_v2_fixture as mimo
+from conftest import read_json
+from converter import serving
+from converter.pipeline import Options, convert
+from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, vllm_python
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "vllm_scripts", "moe_model_quant_methods.py")
+FP8_WEIGHT = "QuantKey(f8e4m3fn,scale(f32,static,GroupShape(row=128, col=128)),symmetric)"
+FP8_INPUT = "QuantKey(f8e4m3fn,scale(f32,dynamic,GroupShape(row=1, col=128)),symmetric)"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[dict, str]:
+    python = vllm_python()
+    root = tmp_path_factory.mktemp("vllm-mimo")
+    mimo.write(str(root / "src"))
+    dst = str(root / "dst")
+    convert(str(root / "src"), dst, Options())
+    out = str(root / "methods.json")
+    run = subprocess.run([python, SCRIPT, "mimo_v2", out, dst], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = read_json(out)
+    assert got["vllm"].startswith("0.32."), got["vllm"]
+    return got["results"][dst], dst
+
+
+def test_experts_int4_asking_for_silu(built):
+    case, dst = built
+    assert "error" not in case, case.get("error")
+    assert case["quant_config"] == "CompressedTensorsConfig" and case["class"] == "MiMoV2FlashForCausalLM"
+    experts = {n: m["method"] for n, m in case["modules"].items() if m["module"] == "RoutedExperts"}
+    assert len(experts) == 2 and set(experts.values()) == {MOE_INT4}, experts
+    assert len(case["oracle_asked"]) == 2
+    for a in case["oracle_asked"]:
+        assert a["activation"] == "silu" and not a["zero_points"]
+        assert "uint4b8" in a["weight_key"] and "col=32" in a["weight_key"] and "symmetric" in a["weight_key"]
+    verdict = serving.kernel("vllm-rocm", *_kernel_inputs(dst))
+    assert verdict.problem is None and "TRITON (TritonWNA16Experts), silu" in verdict.summary
+
+
+def _kernel_inputs(dst: str):
+    config, tensors = serving.load(dst)
+    mats = serving._matrices(tensors)
+    return config, mats, serving._layer_sizes(mats)[0], 1
+
+
+def test_fp8_linears_keep_block_fp8_and_load_weight_scale(built):
+    case, _ = built
+    linears = {n: m for n, m in case["modules"].items() if n.endswith(("qkv_proj", "o_proj", "gate_up_proj",
+                                                                        "down_proj")) and ".experts" not in n}
+    assert len(linears) == 3 * 2 + 2 and {m["method"] for m in linears.values()} == {"CompressedTensorsLinearMethod"}
+    for n in linears:
+        assert case["params"][n] == ["weight", "weight_scale"], (n, case["params"][n])
+    assert case["fp8_asked"] and all(a == {"weight_key": FP8_WEIGHT, "activation_key": FP8_INPUT}
+                                     for a in case["fp8_asked"])
+    assert len(case["fp8_asked"]) == len(linears)
+
+
+def test_the_rest_unquantized(built):
+    case, _ = built
+    rest = {n: m["method"] for n, m in case["modules"].items()
+            if m["module"] in ("GateLinear", "VocabParallelEmbedding", "ParallelLMHead")}
+    assert len(rest) == 4 and set(rest.values()) <= UNQUANTIZED, rest
