@@ -122,7 +122,28 @@ def _fail(e: ConvertError) -> None:
     sys.exit(e.exit_code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Main(click.Group):
+    """The command group, with click's usage errors (a bad option value from the command line, a job
+    file or the environment) as our one line, ``k3convert: error: ...``, exit 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except click.UsageError as e:
+            click.echo(f"k3convert: error: {' '.join(e.format_message().split())}", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="k3convert")
 def main() -> None:
     """Convert Kimi K3's MXFP4 routed experts to int4 group 32, once, offline."""
