@@ -10,35 +10,20 @@ K3CONVERT_REQUIRE_VLLM=1), as tests/test_vllm_quant_methods.py.
 """
 from __future__ import annotations
 
-import os
-import subprocess
 
 import pytest
 
 import mimo_v2_fixture as mimo
-from conftest import read_json
 from converter import serving
-from converter.pipeline import Options, convert
-from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, vllm_python
+from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "vllm_scripts", "moe_model_quant_methods.py")
 FP8_WEIGHT = "QuantKey(f8e4m3fn,scale(f32,static,GroupShape(row=128, col=128)),symmetric)"
 FP8_INPUT = "QuantKey(f8e4m3fn,scale(f32,dynamic,GroupShape(row=1, col=128)),symmetric)"
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[dict, str]:
-    python = vllm_python()
-    root = tmp_path_factory.mktemp("vllm-mimo")
-    mimo.write(str(root / "src"))
-    dst = str(root / "dst")
-    convert(str(root / "src"), dst, Options())
-    out = str(root / "methods.json")
-    run = subprocess.run([python, SCRIPT, "mimo_v2", out, dst], capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    got = read_json(out)
-    assert got["vllm"].startswith("0.32."), got["vllm"]
-    return got["results"][dst], dst
+    return model_methods(tmp_path_factory, "mimo_v2", mimo.write)
 
 
 def test_experts_int4_asking_for_silu(built):

@@ -9,34 +9,19 @@ Needs K3CONVERT_VLLM_PYTHON (skips without it, fails under K3CONVERT_REQUIRE_VLL
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import pytest
 
 import minimax_m3_fixture as mm3
-from conftest import read_json
-from converter.pipeline import Options, convert
-from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, vllm_python
+from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "vllm_scripts", "moe_model_quant_methods.py")
 LOOKUP = re.compile(r"^language_model\.model\.layers\.\d+\.block_sparse_moe\.experts\.0\.(gate|up|down)_proj$")
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory) -> dict:
-    python = vllm_python()
-    root = tmp_path_factory.mktemp("vllm-mm3")
-    mm3.write(str(root / "src"))
-    dst = str(root / "dst")
-    convert(str(root / "src"), dst, Options())
-    out = str(root / "methods.json")
-    run = subprocess.run([python, SCRIPT, "minimax_m3", out, dst], capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    got = read_json(out)
-    assert got["vllm"].startswith("0.32."), got["vllm"]
-    return got["results"][dst]
+    return model_methods(tmp_path_factory, "minimax_m3", mm3.write)[0]
 
 
 def test_experts_int4_asking_for_swigluoai_uninterleave(case):

@@ -39,6 +39,25 @@ def vllm_python() -> str:
     pytest.skip(why)
 
 
+MODEL_SCRIPT = os.path.join(os.path.dirname(__file__), "vllm_scripts", "moe_model_quant_methods.py")
+
+
+def model_methods(tmp_path_factory, model: str, write) -> tuple[dict, str]:
+    """(vLLM's quant methods for every module, DST): a fixture written by ``write(src)``, converted
+    with default options, then built by vLLM's own ``model`` classes (moe_model_quant_methods.py)."""
+    python = vllm_python()
+    root = tmp_path_factory.mktemp(f"vllm-{model}")
+    write(str(root / "src"))
+    dst = str(root / "dst")
+    convert(str(root / "src"), dst, Options())
+    out = str(root / "methods.json")
+    run = subprocess.run([python, MODEL_SCRIPT, model, out, dst], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = read_json(out)
+    assert got["vllm"].startswith("0.32."), got["vllm"]
+    return got["results"][dst], dst
+
+
 def block(root: str) -> dict:
     return read_json(os.path.join(root, "config.json"))["text_config"]["quantization_config"]
 
