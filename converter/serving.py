@@ -549,9 +549,9 @@ class Memory:
 
 
 def expert_memory(mats: list["_Matrix"], sizes: Mapping[str, tuple[int, int]], tp: int,
-                  kimi_pad: int = 0) -> Memory:
+                  kimi_min: int = 0) -> Memory:
     """From the headers: each MoE layer's expert tensors, split over ``tp`` along the intermediate
-    dim (all experts on every rank). ``kimi_pad``: vLLM's KimiMoE pads the per-rank intermediate
+    dim (all experts on every rank). ``kimi_min``: vLLM's KimiMoE pads the per-rank intermediate
     up to this at TP > 1 (models/kimi_k3/amd/linear.py 227-236), and the padding is stored too."""
     int4, bf16 = 0.0, 0.0
     for m in mats:
@@ -560,7 +560,7 @@ def expert_memory(mats: list["_Matrix"], sizes: Mapping[str, tuple[int, int]], t
         if p is None or p[0] not in sizes or shape is None:
             continue
         inter = sizes[p[0]][0]
-        share = (plugin_route.kimi_per_rank(inter, tp, kimi_pad) if kimi_pad else inter / tp) / inter
+        share = (plugin_route.kimi_per_rank(inter, tp, kimi_min) if kimi_min else inter / tp) / inter
         int4 += (_nbytes(m.packed) + (_nbytes(m.scale) if m.scale is not None else 0)) * share
         bf16 += shape[0] * shape[1] * 2 * share
     return Memory(round(int4), round(bf16), len(sizes))
@@ -588,7 +588,7 @@ def kernel(server: str, config: dict | None, mats: list["_Matrix"], sizes: Mappi
     act = activation(config)
     name = act["hidden_act"]
     kimi_min = kimi_min_per_rank(config) if srv.family == "vllm" else 0
-    mem = expert_memory(mats, sizes, tp, kimi_pad=kimi_min)
+    mem = expert_memory(mats, sizes, tp, kimi_min=kimi_min)
     int4 = f"{mem.int4 / 1e9:.3g} GB per rank of int4 experts at --tp {tp}"
     if name == "situ" and act.get("activation_situ_beta") is None:
         return Verdict(f"{srv.method}: SiTU", "hidden_act is situ but activation_situ_beta is missing: vLLM's "
@@ -680,12 +680,8 @@ def kimi_padding(sizes: Mapping[str, tuple[int, int]], tp: int, minimum: int) ->
     """(layer, (real per-rank intermediate, padded)) for every MoE layer vLLM's KimiMoE pads at ``tp``."""
     if not minimum:
         return []
-    out = []
-    for layer, (inter, _) in sorted(sizes.items()):
-        pad = plugin_route.kimi_per_rank(inter, tp, minimum)
-        if pad != inter // tp and tp > 1:
-            out.append((layer, (inter // tp, pad)))
-    return out
+    return [(layer, padded) for layer, (inter, _) in sorted(sizes.items())
+            if (padded := plugin_route.kimi_padded(inter, tp, minimum))]
 
 
 def _plugin(config: dict | None, act: dict, mem: Memory, tp: int, int4: str,

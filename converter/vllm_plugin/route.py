@@ -228,13 +228,19 @@ def kimi_per_rank(inter: int, tp: int, minimum: int = KIMI_MIN_PER_RANK) -> int:
     return max(inter // tp, minimum) if tp > 1 else inter
 
 
+def kimi_padded(inter: int, tp: int, minimum: int = KIMI_MIN_PER_RANK) -> tuple[int, int] | None:
+    """(real per-rank intermediate size, padded size) where vLLM's KimiMoE pads at ``tp``, else None."""
+    per, pad = inter // tp, kimi_per_rank(inter, tp, minimum)
+    return None if pad == per else (per, pad)
+
+
 def padding_refusal(inter: int, tp: int, minimum: int, vllm_version: str) -> str | None:
     """Why the plugin refuses this split under this vLLM (its KimiMoE would crash padding it), or None."""
-    per = inter // tp
-    if kimi_per_rank(inter, tp, minimum) == per or vllm_version not in PADDING_CRASHES:
+    padded = kimi_padded(inter, tp, minimum)
+    if padded is None or vllm_version not in PADDING_CRASHES:
         return None
-    return (f"at TP {tp} vLLM {vllm_version}'s KimiMoE pads the per-rank intermediate size {per} to "
-            f"{kimi_per_rank(inter, tp, minimum)} and cannot build that layer (it zeroes the padding through "
+    return (f"at TP {tp} vLLM {vllm_version}'s KimiMoE pads the per-rank intermediate size {padded[0]} to "
+            f"{padded[1]} and cannot build that layer (it zeroes the padding through "
             f"the MoE runner, which has no w13_weight_packed: AttributeError); {PADDING_FIX}")
 
 
