@@ -149,6 +149,26 @@ def build(model_dir: str, k3, first: bool) -> dict:
             "mtp_modules": methods(mtp)}
 
 
+def build_each(dirs: list[str], root: str, build_one) -> dict[str, dict]:
+    """``build_one(dir, first)`` for each DIR (then ``root`` is removed); a config vLLM refuses while
+    building is a finding, recorded with the lookups made so far, not a crash of the harness."""
+    results = {}
+    try:
+        for i, d in enumerate(dirs):
+            try:
+                results[d] = build_one(d, i == 0)
+            except Exception as e:
+                results[d] = {"error": f"{type(e).__name__}: {e}".splitlines()[0], "lookups": dict(LOOKUPS)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+def write_results(out_path: str, head: dict, results: dict[str, dict]) -> None:
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump({**head, "results": results}, f, indent=1)
+
+
 def main() -> int:
     flavour, out_path, dirs = sys.argv[1], sys.argv[2], sys.argv[3:]
     import vllm
@@ -156,17 +176,8 @@ def main() -> int:
     record_oracle()
     record_lookups()
     root = tempfile.mkdtemp(prefix="k3qm-")
-    try:
-        results = {}
-        for i, d in enumerate(dirs):
-            try:
-                results[d] = build(tiny_model_dir(d, root), k3, i == 0)
-            except Exception as e:   # vLLM refused this config while building: that is the finding
-                results[d] = {"error": f"{type(e).__name__}: {e}".splitlines()[0], "lookups": dict(LOOKUPS)}
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    with open(out_path, "w", encoding="utf-8") as f:
-        json.dump({"vllm": vllm.__version__, "flavour": flavour, "results": results}, f, indent=1)
+    write_results(out_path, {"vllm": vllm.__version__, "flavour": flavour},
+                  build_each(dirs, root, lambda d, first: build(tiny_model_dir(d, root), k3, first)))
     return 0
 
 

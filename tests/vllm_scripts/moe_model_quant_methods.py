@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import tempfile
 
@@ -147,17 +146,8 @@ def main() -> int:
     k3qm.record_oracle()
     k3qm.record_lookups()
     record_fp8_linear()
-    try:
-        results = {}
-        for i, d in enumerate(dirs):
-            try:
-                results[d] = build(tiny_dir(d, root, family), family, i == 0)
-            except Exception as e:   # vLLM refused this config while building: that is the finding
-                results[d] = {"error": f"{type(e).__name__}: {e}".splitlines()[0], "lookups": dict(k3qm.LOOKUPS)}
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    with open(out_path, "w", encoding="utf-8") as f:
-        json.dump({"vllm": vllm.__version__, "family": family, "results": results}, f, indent=1)
+    k3qm.write_results(out_path, {"vllm": vllm.__version__, "family": family},
+                       k3qm.build_each(dirs, root, lambda d, first: build(tiny_dir(d, root, family), family, first)))
     return 0
 
 
