@@ -10,6 +10,7 @@ as long as their shard selections are disjoint: each run locks the shards it con
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import math
 import os
 import re
@@ -29,9 +30,11 @@ from .formats import checkpoint as ckpt
 from .formats.dialect import TARGET_FORMAT
 from .manifest import (LOCKS, MANIFEST, MANIFEST_LOCK, REPORT, RUN_LOCK, STATE_DIR, TENSOR_TABLE, DstLock, ShardLocks,
                        commit, copy_current, discard, file_fingerprint, json_bytes, read_json, read_rows, rows_bytes,
-                       source_fingerprint, stage, stage_copy, state_file, write_json, write_rows)
+                       stage, stage_copy, state_file, write_json, write_rows)
 from .outputs import expected
+from . import profiles
 from .profiles import MAX_EXPERTS
+from .sources import config_identity, content_change, hint, shard_identity
 from .plan import TEMPORARY, Plan, ShardPlan, build_plan, side_file_target
 from .safepath import contains, dest_file, lock_file
 from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, OPTIMA, RULES as SCALE_RULES, recorded_rule
@@ -59,14 +62,14 @@ class Options:
     def identity(self) -> dict[str, Any]:
         """Every option that changes what DST holds or whether it is complete: what must match for a
         run (a job-array part, a resume, ``finalize``) to continue or share a previous one's DST."""
-        return {"version": __version__, "sample_experts": self.sample_experts, "profile": self.profile,
-                "drop_activation_quant": self.drop_activation_quant, "scale_rule": self.scale_rule,
+        return {"version": __version__, "sample_experts": self.sample_experts,
+                "profile": profile_identity(self.profile), "drop_activation_quant": self.drop_activation_quant, "scale_rule": self.scale_rule,
                 "max_rel_rmse": self.max_rel_rmse}
 
     @classmethod
     def recorded(cls, identity: Mapping[str, Any]) -> "Options":
         """The options a DST's run.json records (``identity``), for a standalone ``finalize``."""
-        return cls(profile=identity.get("profile"), drop_activation_quant=bool(identity.get("drop_activation_quant")),
+        return cls(profile=profile_argument(identity.get("profile")), drop_activation_quant=bool(identity.get("drop_activation_quant")),
                    scale_rule=recorded_rule(identity), sample_experts=identity.get("sample_experts", 4),
                    max_rel_rmse=identity.get("max_rel_rmse", Options.max_rel_rmse))
 
@@ -83,6 +86,36 @@ class Options:
             raise BadInput(f"--sample-experts {n!r}: expected a whole number from 0 to {MAX_EXPERTS}")
         if self.scale_rule not in SCALE_RULES:
             raise BadInput(f"--scale-rule {self.scale_rule!r}: expected one of {', '.join(SCALE_RULES)}")
+
+
+def profile_identity(name: str | None) -> dict[str, str] | None:
+    """``--profile`` as the run records it: what the profile is (its name and the SHA-256 of its
+    file), so that a relative path given from another directory, or a name instead of the bundled
+    file's path, is the same profile; and where it was found (``file``, for a standalone
+    ``finalize`` or ``verify --source``; not compared)."""
+    if not name:
+        return None
+    p = profiles.named(name)  # BadInput naming the file or the known names
+    try:
+        with open(p.path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise BadInput(f"cannot read profile: {e.strerror}", file=p.path) from None
+    return {"name": p.name, "sha256": hashlib.sha256(data).hexdigest(), "file": os.path.abspath(p.path)}
+
+
+def profile_argument(recorded: Any) -> str | None:
+    """The ``--profile`` that rebuilds a recorded run's plan (``profile_identity``'s file)."""
+    return recorded.get("file") if isinstance(recorded, dict) else recorded
+
+
+def _compared(identity: Mapping[str, Any]) -> dict[str, Any]:
+    """An identity as compared: without who recorded it, the hints, and where the profile was found."""
+    out = {k: v for k, v in identity.items() if k not in (_WHO, HINTS)}
+    prof = (out.get("options") or {}).get("profile")
+    if isinstance(prof, dict):
+        out["options"] = {**out["options"], "profile": {k: v for k, v in prof.items() if k != "file"}}
+    return out
 
 
 @dataclass
@@ -195,20 +228,28 @@ def _refuse_linked_state(dst: str) -> None:
 
 IDENTITY = "run.json"
 _WHO = "created_by"  # which run recorded the identity: named when another is refused
+HINTS = "hints"      # per source shard, what tells that it may have been written since (sources.hint)
 
 
 def run_identity(plan: Plan, options: Options) -> dict[str, Any]:
     return {
         "tool": "k3convert", "options": options.identity(), "source": plan.src,
         "profile": plan.profile.name, "quantization": plan.source.record(),
-        "config": source_fingerprint(os.path.join(plan.src, "config.json")),
-        "shards": {s.name: source_fingerprint(s.path) for s in plan.shards},
+        "config": config_identity(os.path.join(plan.src, "config.json")),
+        "shards": {s.name: shard_identity(s.path) for s in plan.shards},
     }
+
+
+def source_change(dst: str, plan: Plan, recorded: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """What the identity cannot see: a finished shard's source (or partner) rewritten in place with
+    its mtime put back. Re-read only where a hint moved (sources.content_change)."""
+    records = {s.name: shard_record(dst, s.name) for s in plan.shards}
+    return content_change(plan.shards, records, recorded.get(HINTS) or {})
 
 
 def identity_difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
     """What differs between a recorded identity and this run's, in words (both values), or None."""
-    old = {k: v for k, v in old.items() if k != _WHO}
+    old, new = _compared(old), _compared(new)
     if old == new:
         return None
     if old.get("source") != new.get("source"):
@@ -293,21 +334,49 @@ def _reset_complete(dst: str) -> None:
                 raise OutputError(f"cannot remove: {e.strerror}", file=p) from None
 
 
+_FOREIGN = "exists, is not empty and holds no k3convert state: choose a new directory"
+
+
+def _usable_dst(plan: Plan, dst: str) -> None:
+    """What refuses DST before anything of ours is put there (the run and --dry-run alike)."""
+    if contains(plan.src, dst) or contains(dst, plan.src):
+        raise OutputError(f"DST and SRC ({plan.src}) must not contain each other", file=dst)
+    if os.path.exists(dst) and (not os.path.isdir(dst) or not os.access(dst, os.W_OK | os.X_OK)):
+        raise OutputError("is not a writable directory", file=dst)
+    if os.path.isdir(dst) and not os.path.lexists(_state(dst)) and [f for f in os.listdir(dst) if f != STATE_DIR]:
+        raise OutputError(_FOREIGN, file=dst)  # (a run started at the same moment may just have made the
+        # state folder: that one is not foreign)
+
+
+def judge_dst(plan: Plan, dst: str, options: Options, ident: Mapping[str, Any], old: Mapping[str, Any] | None
+              ) -> tuple[str | None, dict[str, Any]]:
+    """Whether DST (its recorded identity ``old``, None if none) continues this conversion: None, or
+    what differs, which --overwrite replaces (else refused, exit 4); and the source hints to record.
+    The one decision of the run and of --dry-run."""
+    if old is None:
+        if [f for f in os.listdir(dst) if f != STATE_DIR]:
+            raise OutputError(_FOREIGN, file=dst)
+        return None, {s.name: hint(s.path) for s in plan.shards}
+    what = identity_difference(old, ident)
+    hints: dict[str, Any] = {}
+    if what is None:
+        what, hints = source_change(dst, plan, old)
+    if what is not None:
+        if not options.overwrite:
+            raise OutputError(f"holds a different conversion ({what}), recorded by {_named(old)}: "
+                              "use --overwrite to replace it", file=dst)
+        hints = {s.name: hint(s.path) for s in plan.shards}
+    return what, hints
+
+
 def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
     """Create DST, or check that it continues this very conversion (else refuse/replace).
 
     Returns the DST lock, held: run.json is read, compared and written under it, and the
     caller claims its shards before letting it go (``DstLock.join``), so runs started at once
     agree on one identity or all but one are refused, naming the run that recorded it."""
-    if contains(plan.src, dst) or contains(dst, plan.src):
-        raise OutputError(f"DST and SRC ({plan.src}) must not contain each other", file=dst)
+    _usable_dst(plan, dst)
     ident = run_identity(plan, options)
-    if os.path.exists(dst) and (not os.path.isdir(dst) or not os.access(dst, os.W_OK | os.X_OK)):
-        raise OutputError("is not a writable directory", file=dst)
-    foreign = "exists, is not empty and holds no k3convert state: choose a new directory"
-    if os.path.isdir(dst) and not os.path.lexists(_state(dst)) and [f for f in os.listdir(dst) if f != STATE_DIR]:
-        raise OutputError(foreign, file=dst)  # refused before anything of ours is put there (a run started
-        # at the same moment may just have made the state folder: that one is not foreign)
     try:
         _refuse_linked_state(dst)
         os.makedirs(_state(dst), exist_ok=True)
@@ -317,13 +386,8 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
     lock = DstLock(_state(dst))
     try:
         old = read_json(_state(dst, IDENTITY))
-        if old is None and [f for f in os.listdir(dst) if f != STATE_DIR]:
-            raise OutputError(foreign, file=dst)
-        what = None if old is None else identity_difference(old, ident)
+        what, hints = judge_dst(plan, dst, options, ident, old)
         if what is not None:
-            if not options.overwrite:
-                raise OutputError(f"holds a different conversion ({what}), recorded by {_named(old)}: "
-                                  "use --overwrite to replace it", file=dst)
             if not lock.alone():
                 raise OutputError(f"holds a different conversion ({what}) that another k3convert run is using "
                                   f"(recorded by {_named(old)}): refusing to replace it", file=dst)
@@ -332,7 +396,9 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
         if lock.alone():
             _clean_temporaries(dst)
         if old is None:
-            write_json(_state(dst, IDENTITY), {**ident, _WHO: _who()})
+            write_json(_state(dst, IDENTITY), {**ident, HINTS: hints, _WHO: _who()})
+        elif old.get(HINTS) != hints:  # the content was re-read and still matches (cp -al, chmod)
+            write_json(_state(dst, IDENTITY), {**old, HINTS: hints})
     except OSError as e:
         lock.close()
         raise OutputError(f"cannot write: {e.strerror}", file=e.filename or dst) from None
@@ -526,7 +592,8 @@ def _record(dst: str, plan: Plan, options: Options, f: dict, on_event: Event) ->
     write_json(state_file(dst, f["shard"], ".done.json"), {
         "shard": f["shard"], "digest": f["digest"], "bytes": f["bytes"], "converted": len(rows),
         "seconds": round(f["seconds"], 3),
-        "sources": f["sources"], "rel_rmse_worst": worst["rel_rmse"] if worst else 0.0,
+        "sources": f["sources"], "source_digest": f["source_digest"], "partner_digests": f["partner_digests"],
+        "rel_rmse_worst": worst["rel_rmse"] if worst else 0.0,
         "snr_db_min": min((r["snr_db"] for r in rows), default=None),
         "output": file_fingerprint(os.path.join(dst, f["shard"])),
         "stages": {k: round(v, 3) for k, v in f.get("stages", {}).items()},
@@ -561,7 +628,8 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
                 options = Options.recorded(run.get("options") or {})
             plan = plan or options.plan(run["source"])
             # what run.json records is what the shards were converted from, with: checked here too
-            if (what := identity_difference(run, run_identity(plan, options))) is not None:
+            what = identity_difference(run, run_identity(plan, options)) or source_change(dst, plan, run)[0]
+            if what is not None:
                 raise OutputError(f"holds a conversion that no longer matches ({what}), recorded by "
                                   f"{_named(run)}: rerun mxfp4-to-int4 (--overwrite to start again)", file=dst)
             return _finalize_locked(dst, plan, options, run, t0)

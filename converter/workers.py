@@ -24,6 +24,7 @@ from .devices import cpus, memory_available
 from .errors import BadInput, ConvertError, OutputError
 from .kernels import requantizer, server_requantizer
 from .quant.rules import optimum_qmin
+from .sources import read_digests, start_content_digest
 from .plan import ShardPlan
 
 Handler = Callable[[str, dict], None]   # (event kind, fields); raises to stop the run
@@ -183,7 +184,13 @@ def _run(convs: _Converters, task: Task, put: Callable[[tuple[str, dict]], None]
     name = task.shard.name
     put(("start", {"shard": name, "device": convs.device}))
     try:
-        res = convs.get(task).convert(task.shard, task.dst, lambda n: put(("bytes", {"n": n})))
+        hashing = start_content_digest(task.shard.path)  # beside the conversion, which reads it too
+        try:
+            res = convs.get(task).convert(task.shard, task.dst, lambda n: put(("bytes", {"n": n})))
+        except BaseException:
+            hashing.cancel()
+            raise
+        read_from = {"source_digest": hashing.result(), **read_digests(task.shard)}
     except ConvertError as e:
         put(("error", {"shard": name, "message": str(e), "code": e.exit_code, "file": e.file, "tensor": e.tensor}))
         return False
@@ -192,7 +199,7 @@ def _run(convs: _Converters, task: Task, put: Callable[[tuple[str, dict]], None]
                        "message": f"file {e.filename or os.path.join(task.dst, name)}: {e.strerror}"}))
         return False
     put(("done", {"shard": name, "digest": res.digest, "bytes": res.bytes_out, "seconds": res.seconds,
-                  "stages": res.stages, "sources": [os.path.basename(p) for p in task.shard.sources],
+                  "stages": res.stages, "sources": [os.path.basename(p) for p in task.shard.sources], **read_from,
                   "figures": [f.row() for f in res.figures]}))
     return True
 
