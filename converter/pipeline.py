@@ -10,7 +10,6 @@ as long as their shard selections are disjoint: each run locks the shards it con
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import math
 import os
 import re
@@ -32,9 +31,8 @@ from .manifest import (LOCKS, MANIFEST, MANIFEST_LOCK, REPORT, RUN_LOCK, STATE_D
                        commit, copy_current, discard, file_fingerprint, json_bytes, read_json, read_rows, rows_bytes,
                        stage, stage_copy, state_file, write_json, write_rows)
 from .outputs import expected
-from . import profiles
 from .profiles import MAX_EXPERTS
-from .sources import config_identity, content_change, hint, shard_identity
+from .sources import config_identity, content_change, hint, profile_argument, profile_identity, shard_identity
 from .plan import TEMPORARY, Plan, ShardPlan, build_plan, side_file_target
 from .safepath import contains, dest_file, lock_file
 from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, OPTIMA, RULES as SCALE_RULES, recorded_rule
@@ -86,27 +84,6 @@ class Options:
             raise BadInput(f"--sample-experts {n!r}: expected a whole number from 0 to {MAX_EXPERTS}")
         if self.scale_rule not in SCALE_RULES:
             raise BadInput(f"--scale-rule {self.scale_rule!r}: expected one of {', '.join(SCALE_RULES)}")
-
-
-def profile_identity(name: str | None) -> dict[str, str] | None:
-    """``--profile`` as the run records it: what the profile is (its name and the SHA-256 of its
-    file), so that a relative path given from another directory, or a name instead of the bundled
-    file's path, is the same profile; and where it was found (``file``, for a standalone
-    ``finalize`` or ``verify --source``; not compared)."""
-    if not name:
-        return None
-    p = profiles.named(name)  # BadInput naming the file or the known names
-    try:
-        with open(p.path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise BadInput(f"cannot read profile: {e.strerror}", file=p.path) from None
-    return {"name": p.name, "sha256": hashlib.sha256(data).hexdigest(), "file": os.path.abspath(p.path)}
-
-
-def profile_argument(recorded: Any) -> str | None:
-    """The ``--profile`` that rebuilds a recorded run's plan (``profile_identity``'s file)."""
-    return recorded.get("file") if isinstance(recorded, dict) else recorded
 
 
 def _compared(identity: Mapping[str, Any]) -> dict[str, Any]:
@@ -186,9 +163,13 @@ def shard_count(src: str, options: Options) -> int | None:
 
 
 def select_shards(names: list[str], spec: str | None = None, part: str | None = None) -> list[str]:
-    """``--shards 3,5-9`` (1-based, in file-name order) and/or ``--part i/n`` (round robin)."""
+    """``--shards 3,5-9`` (1-based, in file-name order) and/or ``--part i/n`` (round robin).
+    None selects every shard; an empty value selects none, which is refused (a job file's or a
+    script's empty variable must not turn into "all")."""
     chosen = list(names)
-    if spec:
+    if spec is not None:
+        if not spec.strip():
+            raise BadInput(f"--shards {spec!r}: selects no shard (expected N or N-M, comma-separated)")
         idx: set[int] = set()
         for tok in spec.split(","):
             a, _, b = tok.strip().partition("-")
@@ -196,11 +177,13 @@ def select_shards(names: list[str], spec: str | None = None, part: str | None = 
                 lo, hi = int(a), int(b or a)
             except ValueError:
                 raise BadInput(f"--shards: {tok!r} is not N or N-M") from None
+            if lo > hi:
+                raise BadInput(f"--shards: {tok!r} is reversed (write {hi}-{lo})")
             if not 1 <= lo <= hi <= len(names):
                 raise BadInput(f"--shards: {tok!r} is outside 1-{len(names)}")
             idx.update(range(lo, hi + 1))
         chosen = [n for i, n in enumerate(names, 1) if i in idx]
-    if part:
+    if part is not None:
         try:
             i, n = (int(x) for x in part.split("/"))
         except ValueError:
@@ -512,14 +495,24 @@ def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
     options.check()
     dst = os.path.abspath(dst)
     chosen = selected(plan, options)
-    done = [s.name for s in chosen if os.path.isdir(dst) and shard_record(dst, s.name)]
+    _usable_dst(plan, dst)  # the run's own decisions, so that the dry run says what the run will do
+    old = read_json(_state(dst, IDENTITY)) if os.path.isdir(_state(dst)) else None
+    action = "create it" if not os.path.exists(dst) else "start in it (empty)"
+    if os.path.isdir(dst):
+        what, _ = judge_dst(plan, dst, options, run_identity(plan, options), old)  # refused: exit 4, as the run
+        if what is not None:
+            action = f"replace it (--overwrite): it holds a different conversion ({what})"
+        elif old is not None:
+            action = "continue the conversion it holds"
+    replaced = action.startswith("replace")
+    done = [s.name for s in chosen if old is not None and not replaced and shard_record(dst, s.name)]
     todo = [s for s in chosen if s.name not in done]
     probe = dst
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     devices, workers, _ = plan_workers(options, len(chosen))
     return {
-        "source": plan.src, "dst": dst, "profile": f"{plan.profile.name} ({plan.profile_reason})",
+        "source": plan.src, "dst": dst, "dst_action": action, "profile": f"{plan.profile.name} ({plan.profile_reason})",
         "scale_convention": plan.source.scale_note, "scale_rule": options.scale_rule, "devices": devices,
         "workers": workers,
         "shards": len(chosen), "shards_done": len(done), "shards_todo": len(todo),
@@ -684,6 +677,37 @@ def _clean_dead_temporaries(dst: str, shards: list[str], written: set[str]) -> N
                 discard(os.path.join(dst, folder, e))
 
 
+def _recorded_files(dst: str) -> set[str]:
+    """The files beside the shards that DST's manifest says an earlier finalize wrote."""
+    try:
+        m = read_json(os.path.join(dst, MANIFEST))
+    except OutputError:  # a corrupt manifest is replaced; what it named is not known
+        return set()
+    files = m.get("files") if isinstance(m, dict) else None
+    return {n for n in files if isinstance(n, str)} if isinstance(files, dict) else set()
+
+
+def _remove_stale(dst: str, names: set[str]) -> None:
+    """Remove side files an earlier finalize copied that SRC no longer has (S15): DST must hold
+    what SRC gives now, not a stale copy that verify then rejects. Only names the manifest
+    recorded as ours; called while the manifest says partial, so a kill leaves a DST to redo."""
+    for name in sorted(names):
+        try:
+            path = dest_file(dst, name)
+        except OutputError:
+            continue  # a name leading outside DST or through a link: never followed
+        if not os.path.isfile(path) or os.path.islink(path):
+            continue
+        try:
+            os.unlink(path)
+            folder = os.path.dirname(path)
+            while os.path.abspath(folder) != os.path.abspath(dst) and not os.listdir(folder):
+                os.rmdir(folder)  # a folder of side files that is now empty
+                folder = os.path.dirname(folder)
+        except OSError as e:
+            raise OutputError(f"cannot remove a side file SRC no longer has: {e.strerror}", file=path) from None
+
+
 def _rule_record(rule: str, figs: list[TensorFigures]) -> dict[str, Any]:
     """The report's scale rule and the other rule's figures on the same weights (docs/maths.md)."""
     cmp = [r.cmp_rel_rmse for r in figs if r.cmp_rel_rmse is not None]
@@ -720,11 +744,13 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
     # like a finished checkpoint, and no temporary
     staged: list[tuple[str, str]] = []
     files: dict[str, dict[str, Any]] = {}  # every file written beside the shards: bytes and digest
+    recorded = _recorded_files(dst)
     if all_done or failed:  # DERIVED is replaced: an old "complete" must not stand over a half-replaced set
         _reset_complete(dst)  # (before staging: it writes the manifest through the same temporary name)
     try:
         if all_done and not failed:
             want = expected(plan, options.scale_rule)
+            _remove_stale(dst, recorded - set(want.side_files) - set(want.documents) - {TENSOR_TABLE, REPORT})
             for target, rel in want.side_files.items():
                 src, out = os.path.join(plan.src, rel), dest_file(dst, target)
                 files[target] = _file_record(src)  # the source's bytes: a copy that differs fails verify

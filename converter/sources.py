@@ -18,8 +18,8 @@ import os
 import zlib
 from typing import Any, Iterable, Mapping
 
-from . import digest
-from .errors import OutputError
+from . import digest, profiles
+from .errors import BadInput, OutputError
 from .manifest import file_fingerprint
 from .safepath import open_regular
 
@@ -178,3 +178,24 @@ def content_change(shards: list, records: Mapping[str, dict | None], hints: Mapp
         if set(ranges) - set(rec.get("partner_digests") or {}):
             return f"source files changed: {s.name} reads other partners", now
     return None, now
+
+
+def profile_identity(name: str | None) -> dict[str, str] | None:
+    """``--profile`` as the run records it: what the profile is (its name and the SHA-256 of its
+    file), so that a relative path given from another directory, or a name instead of the bundled
+    file's path, is the same profile; and where it was found (``file``, for a standalone
+    ``finalize`` or ``verify --source``; not compared)."""
+    if not name:
+        return None
+    p = profiles.named(name)  # BadInput naming the file or the known names
+    try:
+        with open(p.path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise BadInput(f"cannot read profile: {e.strerror}", file=p.path) from None
+    return {"name": p.name, "sha256": hashlib.sha256(data).hexdigest(), "file": os.path.abspath(p.path)}
+
+
+def profile_argument(recorded: Any) -> str | None:
+    """The ``--profile`` that rebuilds a recorded run's plan (``profile_identity``'s file)."""
+    return recorded.get("file") if isinstance(recorded, dict) else recorded

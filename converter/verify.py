@@ -24,6 +24,7 @@ from .errors import BadInput, ConvertError, VerifyFailed
 from .formats import checkpoint as ckpt
 from .formats.safetensors_io import Header, TensorInfo, read_header
 from .digest import ALGORITHM as DIGEST_ALGORITHM, file_digest
+from .sources import profile_argument
 from .formats.dialect import EXPERT_TARGET, TARGET_FORMAT, is_fp8_block_group, source_name
 from .formats.json_input import ListOf, MapOf, Nullable, type_problems
 from .manifest import MANIFEST, REPORT, TENSOR_TABLE, json_bytes, read_json, read_rows
@@ -707,7 +708,7 @@ def _from_source(src: str, d: _Dst, files: list[str]) -> Check:
     (naming the fields that differ), each side file byte for byte, and no file besides."""
     c = Check("from source")
     opts = d.manifest.get("options") or {}
-    plan = build_plan(src, opts.get("profile"), bool(opts.get("drop_activation_quant")))  # BadInput: exit 2
+    plan = build_plan(src, profile_argument(opts.get("profile")), bool(opts.get("drop_activation_quant")))  # BadInput: exit 2
     want = expected(plan, scale_rule(d))
     have = set(files)
     for name in sorted(want.names - have):
