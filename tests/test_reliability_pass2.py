@@ -209,4 +209,4 @@ def test_r16_precedence_command_line_job_file_environment_default(fixture_src, t
     assert "cpu: 1 worker(s)" in chosen()                  # the environment beats the default
     monkeypatch.setenv("K3CONVERT_WORKERS", "zero")
     r = run_cli("mxfp4-to-int4", "--config", job, "-o", tmp_path / "dst", "--dry-run")
-    assert r.exit_code == 2 and "'zero' is not a positive number or auto" in r.output
+    assert r.exit_code == 2 and "K3CONVERT_WORKERS='zero' (the environment): not a positive number" in r.output
