@@ -137,11 +137,11 @@ def _warm_up(device: str) -> None:
     for kernel in (requantizer(device), server_requantizer(device)):  # optimal-pm7: the same kernel
         kernel(p, torch.full((groups,), 127, dtype=torch.uint8, device=device), [0, groups])
     if device.startswith("cpu"):
-        from .quant.cpu_kernel import output_error
+        from .quant.cpu_kernel import output_errors
         from .validate import probe
-        z = torch.zeros((1, 16), dtype=torch.uint8)
-        output_error(z, torch.full((1,), 127, dtype=torch.uint8), z, torch.zeros(1, dtype=torch.bfloat16), 32,
-                     probe(32))
+        z, zs = torch.zeros((1, 16), dtype=torch.uint8), torch.zeros(1, dtype=torch.bfloat16)
+        for other in (None, (z, zs)):  # both kernels: one encoding, and two in one pass
+            output_errors(z, torch.full((1,), 127, dtype=torch.uint8), (z, zs), other, 32, probe(32))
 
 
 def io_threads() -> dict[str, int]:
