@@ -584,8 +584,9 @@ BIG = FixtureSpec(layers=2, experts=2, hidden=256, inter=1024, latent=512, vocab
 
 def test_mid_file_partner_change_keeping_size_and_mtime(tmp_path):
     """A change in the middle of a partner shard that keeps its size and restores its mtime (R2):
-    the write and the utime both move the file's ctime, which the source fingerprint holds, so the
-    resumed run refuses instead of keeping the packed shard made from the old scale."""
+    the write and the utime both move the file's ctime, a hint (not identity: issue 25 S1) that
+    makes the resumed run re-read the scale ranges the packed shard's record holds a digest of;
+    they differ, so it refuses instead of keeping the packed shard made from the old scale."""
     src = write_checkpoint(str(tmp_path / "src"), k3_state_dict(BIG, 1024, BIG.seed), 3_940_000, BIG)
     m, packed, scale = _straddle(src)
     assert (src.no(packed), src.no(scale)) == (1, 2)
