@@ -61,14 +61,15 @@ class Options:
         """Every option that changes what DST holds or whether it is complete: what must match for a
         run (a job-array part, a resume, ``finalize``) to continue or share a previous one's DST."""
         return {"version": __version__, "sample_experts": self.sample_experts,
-                "profile": profile_identity(self.profile), "drop_activation_quant": self.drop_activation_quant, "scale_rule": self.scale_rule,
+                "profile": profile_identity(self.profile),  # what the profile is, not where it was found
+                "drop_activation_quant": self.drop_activation_quant, "scale_rule": self.scale_rule,
                 "max_rel_rmse": self.max_rel_rmse}
 
     @classmethod
     def recorded(cls, identity: Mapping[str, Any]) -> "Options":
         """The options a DST's run.json records (``identity``), for a standalone ``finalize``."""
-        return cls(profile=profile_argument(identity.get("profile")), drop_activation_quant=bool(identity.get("drop_activation_quant")),
-                   scale_rule=recorded_rule(identity), sample_experts=identity.get("sample_experts", 4),
+        return cls(profile=profile_argument(identity.get("profile")),
+                   drop_activation_quant=bool(identity.get("drop_activation_quant")), scale_rule=recorded_rule(identity), sample_experts=identity.get("sample_experts", 4),
                    max_rel_rmse=identity.get("max_rel_rmse", Options.max_rel_rmse))
 
     def plan(self, src: str) -> Plan:
