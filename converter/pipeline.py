@@ -69,7 +69,8 @@ class Options:
     def recorded(cls, identity: Mapping[str, Any]) -> "Options":
         """The options a DST's run.json records (``identity``), for a standalone ``finalize``."""
         return cls(profile=profile_argument(identity.get("profile")),
-                   drop_activation_quant=bool(identity.get("drop_activation_quant")), scale_rule=recorded_rule(identity), sample_experts=identity.get("sample_experts", 4),
+                   drop_activation_quant=bool(identity.get("drop_activation_quant")),
+                   scale_rule=recorded_rule(identity), sample_experts=identity.get("sample_experts", 4),
                    max_rel_rmse=identity.get("max_rel_rmse", Options.max_rel_rmse))
 
     def plan(self, src: str) -> Plan:
