@@ -68,7 +68,12 @@ def convert_experts_(words: torch.Tensor, scales: torch.Tensor,
     if words.is_cuda:          # CUDA and ROCm alike
         from . import layout_kernel
         return layout_kernel.convert_experts_(words, scales, chunk)
-    chunk = chunk or CHUNK_EXPERTS
+    return convert_experts_torch_(words, scales, chunk or CHUNK_EXPERTS)
+
+
+def convert_experts_torch_(words: torch.Tensor, scales: torch.Tensor,
+                           chunk: int = CHUNK_EXPERTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """convert_experts_ in torch passes on any device (the CPU path; on a GPU, the bench's "before")."""
     e, n, k8 = words.shape
     g = scales.shape[-1]
     out_w = words.view(torch.uint8).view(e, n, k8 * 4)
