@@ -334,9 +334,9 @@ def check_same_bytes(tpl: dict) -> bool:
 
 def bench(split: str, routes: list[str], layers: int, tiny: bool, device: torch.device) -> dict:
     tpl = templates(split, tiny, device)
-    res: dict = {"split": split, "shapes": {k: list(v) for k, v in shapes(split, tiny).items()}, "layers": layers}
-    if "plugin-fused" in routes and "plugin-torch" in routes:
-        res["fused_equals_torch_bytes"] = check_same_bytes(tpl)
+    res: dict = {"split": split, "shapes": {k: list(v) for k, v in shapes(split, tiny).items()}, "layers": layers,
+                 "layer_bytes": sum(w.numel() * 4 + s.numel() * 2 for w, s in tpl["ct"].values()),
+                 "copy_ms": copy_ms(tpl, device)}
     for route in routes:
         first, _ = time_layer(route, tpl, device)
         times, peaks = [], []
@@ -350,7 +350,23 @@ def bench(split: str, routes: list[str], layers: int, tiny: bool, device: torch.
         print(f"{split:8s} {route:13s} {sum(times):8.3f} s for {layers} layers "
               f"({1e3 * sum(times) / layers:7.2f} ms a layer), +{max(peaks) / 2**30:.3f} GiB transient, "
               f"first layer {first:.3f} s", flush=True)
+    if "plugin-fused" in routes and "plugin-torch" in routes:   # after the timing: first_layer_s holds the JIT
+        res["fused_equals_torch_bytes"] = check_same_bytes(tpl)
+    print(f"{split:8s} one layer is {res['layer_bytes'] / 1e9:.2f} GB; cloning it takes {res['copy_ms']:.2f} ms; "
+          f"fused equals torch bytes: {res.get('fused_equals_torch_bytes')}", flush=True)
     return res
+
+
+def copy_ms(tpl: dict, device: torch.device, repeat: int = 10) -> float:
+    """One device-to-device clone of a layer's CT tensors (each byte read and written once), in ms."""
+    clone = lambda: [t.clone() for pair in tpl["ct"].values() for t in pair]  # noqa: E731
+    clone()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        clone()
+    sync(device)
+    return 1e3 * (time.perf_counter() - t0) / repeat
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,13 +377,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routes", default=",".join(ROUTES))
     ap.add_argument("--tiny", action="store_true", help="small shapes (a CPU smoke run)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--fused-chunk-mib", type=int, help="layout_kernel.CHUNK_BYTES for this run (default 64)")
     args = ap.parse_args(argv)
+    if args.fused_chunk_mib:
+        from converter.vllm_plugin import layout_kernel
+        layout_kernel.CHUNK_BYTES = args.fused_chunk_mib << 20
     device = torch.device(args.device)
     routes = [r for r in args.routes.split(",") if r]
     if unknown := set(routes) - set(ROUTES):
         ap.error(f"unknown routes {sorted(unknown)}; choose from {ROUTES}")
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine,
+              "command": " ".join(sys.argv),
               "torch": torch.__version__, "synthetic": True, "results": []}
     try:
         import triton
