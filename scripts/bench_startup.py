@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routes", default=",".join(ROUTES))
     ap.add_argument("--tiny", action="store_true", help="small shapes (a CPU smoke run)")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--fused-chunk-mib", type=int, help="layout_kernel.CHUNK_BYTES for this run (default 64)")
+    ap.add_argument("--fused-chunk-mib", type=int, help="layout_kernel.CHUNK_BYTES for this run (default 128)")
     args = ap.parse_args(argv)
     if args.fused_chunk_mib:
         from converter.vllm_plugin import layout_kernel

@@ -62,7 +62,7 @@ def convert_experts_(words: torch.Tensor, scales: torch.Tensor,
     crosses experts, so the result overwrites the source: transient memory is one chunk. Returns views
     of the same storage: (uint8 [E, N, K/2], bf16 flat [E * G/2 * N * 2]), the shapes the load-time
     path leaves. `words` [E, N, K/8] int32 and `scales` [E, N, G] must be contiguous. On a GPU this is
-    layout_kernel's one Triton pass (chunk default: 64 MiB of experts); on the CPU the torch passes below
+    layout_kernel's one Triton pass (chunk default: 128 MiB of experts); on the CPU the torch passes below
     (chunk default: CHUNK_EXPERTS).
     """
     if words.is_cuda:          # CUDA and ROCm alike

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .route import GROUP, SHUFFLE_N
 
-CHUNK_BYTES = 64 << 20    # scratch per chunk of experts: the transient memory of a layout
+CHUNK_BYTES = 128 << 20   # scratch per chunk of experts: the transient memory of a layout (measured: BENCHMARKS.md)
 TILE = tl.constexpr(64)   # words in one 16 x 32 tile of codes (256 bytes)
 ROWS = tl.constexpr(SHUFFLE_N)
 FLIP = tl.constexpr(-0x77777778)  # 0x88888888 as int32: CT's q + 8 -> two's complement, every nibble
@@ -95,16 +95,15 @@ def launch_shape(n_rows: int, kw: int, experts: int, n: int, g2: int) -> dict:
             "BT": bt, "BN": bn, "BG": bg, "grid": w_programs + experts * nnb * ngb}
 
 
-def layout_chunk(words: torch.Tensor, scales: torch.Tensor, out_w: torch.Tensor, out_s: torch.Tensor) -> None:
-    """One launch: int32 words [c, N, K/8] and bf16 scales [c, N, G] -> aiter's layout in out_w
-    (int32, words' size) and out_s (bf16, scales' size). Out of place: the outputs must not overlap."""
+def layout_chunk(words: torch.Tensor, scale_words: torch.Tensor, out_w: torch.Tensor, out_s: torch.Tensor,
+                 shape: dict | None = None) -> None:
+    """One launch: int32 words [c, N, K/8] and scale pairs (bf16 scales viewed int32) [c, N, G/2] -> aiter's
+    layout in out_w and out_s (int32, the inputs' sizes). Out of place: the outputs must not overlap them."""
     c, n, kw = words.shape
-    g = scales.shape[-1]
-    sw = scales.view(torch.int32)                   # two adjacent groups of a row = one int32
-    shape = launch_shape(c * n, kw, c, n, g // 2)
-    grid = shape.pop("grid")
-    _layout_kernel[(grid,)](words, sw, out_w, out_s.view(torch.int32), kw, N=n, G2=g // 2, **shape,
-                            num_warps=4, num_stages=1)
+    shape = shape or launch_shape(c * n, kw, c, n, scale_words.shape[-1])
+    _layout_kernel[(shape["grid"],)](words, scale_words, out_w, out_s, kw, shape["KT"], shape["NKB"],
+                                     shape["W_PROGRAMS"], n, scale_words.shape[-1], shape["NNB"], shape["NGB"],
+                                     BT=shape["BT"], BN=shape["BN"], BG=shape["BG"], num_warps=4, num_stages=1)
 
 
 def check_shapes(words: torch.Tensor, scales: torch.Tensor) -> None:
@@ -128,15 +127,18 @@ def convert_experts_(words: torch.Tensor, scales: torch.Tensor,
     """
     check_shapes(words, scales)
     e, n, kw = words.shape
-    g = scales.shape[-1]
-    per_expert = n * kw * 4 + n * g * 2
+    g2 = scales.shape[-1] // 2
+    per_expert = n * kw * 4 + n * g2 * 4
     chunk = max(1, min(e, chunk if chunk else CHUNK_BYTES // per_expert))
     scratch_w = torch.empty((chunk, n, kw), dtype=torch.int32, device=words.device)
-    scratch_s = torch.empty((chunk, n, g), dtype=torch.bfloat16, device=words.device)
-    out_s = scales.view(e, n * g)
+    scratch_s = torch.empty((chunk, g2, n), dtype=torch.int32, device=words.device)
+    scale_words = scales.view(torch.int32)                  # two adjacent groups of a row = one int32
+    full = launch_shape(chunk * n, kw, chunk, n, g2)        # every chunk but perhaps the last
     for lo in range(0, e, chunk):
         hi = min(lo + chunk, e)
-        layout_chunk(words[lo:hi], scales[lo:hi], scratch_w[: hi - lo], scratch_s[: hi - lo])
-        words[lo:hi].copy_(scratch_w[: hi - lo])
-        out_s[lo:hi].copy_(scratch_s[: hi - lo].view(hi - lo, n * g))
-    return words.view(torch.uint8).view(e, n, kw * 4), out_s.view(-1)
+        c = hi - lo
+        layout_chunk(words[lo:hi], scale_words[lo:hi], scratch_w, scratch_s,
+                     full if c == chunk else launch_shape(c * n, kw, c, n, g2))
+        words[lo:hi].copy_(scratch_w[:c])
+        scale_words[lo:hi].copy_(scratch_s[:c].view(c, n, g2))   # same words in [G/2, N] order
+    return words.view(torch.uint8).view(e, n, kw * 4), scales.view(-1)
