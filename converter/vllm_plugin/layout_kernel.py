@@ -1,8 +1,9 @@
 """The plugin's load-time layout in one Triton pass: compressed-tensors int4 words -> aiter's packed int4.
 
 Same bytes as ``layout.weights_to_aiter`` / ``layout.scales_to_aiter`` (aiter's ``shuffle_weight(x, (16, 16))``
-+ ``pack_int8_to_packed_int4`` + ``shuffle_scale_for_int4``), but one read and one write of each word
-instead of several torch passes over one-byte codes. Why it is a word-to-word map:
++ ``pack_int8_to_packed_int4`` + ``shuffle_scale_for_int4``), but one kernel reading and writing each word
+once (then a copy back, below) instead of several torch passes over one-byte codes. Why it is a
+word-to-word map:
 
 * the (16, 16) shuffle moves row r (of a 16-row block) and codes [16h, 16h + 16) of a 32-code tile to
   output slot ``(h, r)`` of that tile; the 8 codes of one CT word ``j = 2h + m`` stay together, so word
