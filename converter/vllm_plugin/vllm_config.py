@@ -38,17 +38,19 @@ def machine() -> route.Machine:
     except Exception:  # noqa: BLE001 - for messages only
         gpu = ""
     try:
-        from vllm._aiter_ops import rocm_aiter_ops
+        from vllm._aiter_ops import IS_AITER_FOUND, rocm_aiter_ops
+        found = bool(IS_AITER_FOUND)
+        # None (not False) without aiter: if_aiter_supported (_aiter_ops.py 279-291) skips the switch
         moe_on = bool(rocm_aiter_ops.is_fused_moe_enabled())
     except Exception:  # noqa: BLE001
-        moe_on = False
+        found, moe_on = True, False
     gemm1, error = None, ""
     if gfx942 and moe_on:
         try:
             from aiter.ops.flydsl.kernels.moe_2stage_a16wmix import flydsl_a16w4_gemm1 as gemm1
         except Exception as exc:  # noqa: BLE001 - reported by route.gemm1_problem, aiter's words kept
             error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    return route.Machine(True, gfx942, moe_on, getattr(vllm, "__version__", ""), gemm1, error, gpu)
+    return route.Machine(True, gfx942, moe_on, getattr(vllm, "__version__", ""), gemm1, error, gpu, found)
 
 
 class K3Int4Gfx942Config(CompressedTensorsConfig):
