@@ -109,7 +109,7 @@ def refusals(config: dict | None, topo: Topology) -> list[tuple[str, str]]:
     table = next((LOADERS[t] for t in types if t in LOADERS), ())
     text = text_config(config)
     out, seen = [], set()
-    for r in (*ENGINE, *table):
+    for r in (*table, *ENGINE):
         stated, value = _value(text, r.key)
         why = CHECKS[r.kind](r.key, value, topo, r.want) if stated else None
         if why and why not in seen:

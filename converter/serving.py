@@ -350,7 +350,10 @@ def _result(rule: Rule, server: str, problems: list[Problem], note: str = "") ->
         return RuleResult(rule.id, True, f"rule {rule.id}: {note if rule.id == 'kernel' else rule.what}",
                           note if rule.id != "kernel" else "")
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    why = "; ".join(dict.fromkeys(d for _, d in problems if d))
+    if len(problems) > 1:   # every one, each with its source, under --verbose
+        why = "; ".join(dict.fromkeys(f"{p} ({d})" if d else p for p, d in problems))
+    else:
+        why = problems[0][1]
     return RuleResult(rule.id, False, f"rule {rule.id}: {problems[0][0]}{more}", detail=why)
 
 
@@ -736,7 +739,7 @@ def kernel(server: str, config: dict | None, mats: list["_Matrix"], sizes: Mappi
 
 
 def _int4(mem: Memory, topo: Topology) -> str:
-    return f"int4 {mem.int4 / 1e9:.3g} GB per rank at {topo.text()}"
+    return f"int4 as stored, {mem.int4 / 1e9:.3g} GB per rank"
 
 
 def _kernel(ctx: _Context, topo: Topology) -> Verdict:
@@ -852,7 +855,7 @@ def kimi_padding(sizes: Mapping[str, tuple[int, int]], tp: int, minimum: int) ->
 # first routed-experts layer each rank lays out, through the layer's own kernel; with DP+EP all2all it
 # runs the local expert kernel with the layer's expert mask, no collective (issue 23 section 1).
 SELF_TEST = "self-test runs"
-SELF_TEST_ALL2ALL = "self-test runs (local expert kernel, no all2all)"
+SELF_TEST_ALL2ALL = "self-test runs (local kernel, no all2all)"
 
 
 def _plugin(config: dict | None, act: dict, mem: Memory, topo: Topology, int4: str,
@@ -894,7 +897,7 @@ def _plugin(config: dict | None, act: dict, mem: Memory, topo: Topology, int4: s
                            f"maybe_roundup_sizes, route.size_problem)")
     test = SELF_TEST_ALL2ALL if topo.all2all else SELF_TEST
     return Verdict(f"{plugin_route.NAME}: AITER a16w4 with Situv2 beta {act.get('activation_situ_beta')} "
-                   f"linear_beta {act.get('activation_situ_linear_beta')}, no dequantization, {test}; {int4}",
+                   f"linear_beta {act.get('activation_situ_linear_beta')}, {test}; {int4}",
                    detail="converter/vllm_plugin/moe_method.py: aiter flydsl_a16w4_gemm1 (vLLM 0.33.0 "
                           "quantization/mxfp4.py _setup_kernel_k3_situ_gfx942 builds the same kernel); self-test: "
                           "moe_method.py _will_self_test")

@@ -340,7 +340,7 @@ def test_cli_serving_passes(servable, server, tp, kernel):
     assert r.exit_code == 0, r.output
     line = next(ln for ln in r.output.splitlines() if "serving " in ln)
     assert line.strip() == f"PASS  serving      {server} at TP {tp}: {len(RULES)}/{len(RULES)} rules pass", line
-    assert kernel in r.output and f"GB per rank at TP {tp}" in r.output
+    assert kernel in r.output and "int4 as stored, 0.00" in r.output
 
 
 def test_cli_serving_vllm_cuda_fails_where_vllm_pads(servable):
@@ -512,7 +512,7 @@ def test_situ_at_k3_dims_per_server():
     assert f"int4 as stored: {weights * (0.5 + 2 / 32) / 8 / 1e9:.3g} GB" in stock.detail
     assert len(stock.message) <= SHORT
     plugin = kernel_result(config, tensors, "vllm-rocm-plugin", 8)
-    assert plugin.ok and "Situv2 beta 4.0 linear_beta 25.0" in plugin.message and "no dequantization" in plugin.message
+    assert plugin.ok and "Situv2 beta 4.0 linear_beta 25.0" in plugin.message and "int4 as stored" in plugin.message
     cuda = kernel_result(config, tensors, "vllm-cuda", 8)
     assert cuda.ok and "MARLIN" in cuda.message and "takes situ" in cuda.message
     for server, line in (("sglang-rocm", "558"), ("sglang-cuda", "454")):
@@ -591,3 +591,269 @@ def test_plugin_refuses_sizes_its_kernel_would_pad():
     r = kernel_result(config, tensors, "vllm-rocm-plugin", 8)
     assert not r.ok and "the plugin refuses" in r.message and "hidden size 3552" in r.message
     assert f"k3convert vLLM plugin: {LAYER_K3}: hidden size 3552" in r.detail
+
+
+# ---------------------------------------------------------------- issue 23 section 4: topologies
+
+from converter import loaders, serving                                       # noqa: E402
+from converter.topology import Topology, local_experts, pp_stages            # noqa: E402
+from converter.vllm_plugin import route                                      # noqa: E402
+
+TWO_NODE = {"TP 8 + EP": Topology(8, ep=True), "DP 2 x TP 8 + EP": Topology(8, dp=2, ep=True),
+            "PP 2 x TP 8": Topology(8, pp=2)}
+
+
+def _vllm_source(rel: str):
+    """A vLLM 0.33.0 file from the released wheel (scripts/fetch_server_sources.sh)."""
+    from pathlib import Path
+    root = os.environ.get("K3CONVERT_VLLM033_SRC")
+    path = Path(root, rel) if root else None
+    if path is None or not path.is_file():
+        if os.environ.get("K3CONVERT_REQUIRE_SERVER_SOURCES"):
+            pytest.fail(f"K3CONVERT_VLLM033_SRC has no {rel}")
+        pytest.skip(f"K3CONVERT_VLLM033_SRC has no {rel} (run scripts/fetch_server_sources.sh)")
+    return path
+
+
+def _vllm_split():
+    """vLLM 0.33.0's own FusedMoEParallelConfig (fused_moe/config.py), determine_expert_map
+    (expert_map_manager.py) and get_pp_indices (distributed/utils.py), compiled from the released
+    files with the process-group getters stubbed."""
+    import ast
+    import dataclasses
+    import logging
+    from typing import Literal
+
+    ns = {"dataclass": dataclasses.dataclass, "torch": torch, "ParallelConfig": object, "Literal": Literal,
+          "ExpertPlacementStrategy": str, "logger": logging.getLogger("vllm033"),
+          "envs": SimpleNamespace(VLLM_PP_LAYER_PARTITION=None),
+          "get_dp_group": lambda: ns["_dp"], "get_pcp_group": lambda: SimpleNamespace(rank_in_group=0),
+          "get_tensor_model_parallel_rank": lambda: ns["_tp_rank"]}
+    for rel, names in (("model_executor/layers/fused_moe/config.py", {"FusedMoEParallelConfig"}),
+                       ("model_executor/layers/fused_moe/expert_map_manager.py", {"determine_expert_map"}),
+                       ("distributed/utils.py", {"get_pp_indices"})):
+        tree = ast.parse(_vllm_source(rel).read_text())
+        found = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names]
+        assert {n.name for n in found} == names, rel
+        exec(compile(ast.Module(body=found, type_ignores=[]), rel, "exec"), ns)
+    return ns
+
+
+@pytest.mark.parametrize("tp, dp, ep", [(8, 1, True), (8, 2, True), (8, 2, False), (16, 1, False), (16, 1, True),
+                                        (1, 1, True), (1, 4, True), (4, 2, False), (1, 1, False)])
+def test_topology_is_vllms_own_split(tp, dp, ep):
+    """The MoE's tp_size, ep_size, all2all and the experts per rank, against vLLM 0.33.0's own code run
+    for every rank (FusedMoEParallelConfig.make, determine_expert_map), and the PP stages against
+    get_pp_indices."""
+    ns = _vllm_split()
+    topo = Topology(tp, dp=dp, ep=ep)
+    par = SimpleNamespace(enable_expert_parallel=ep, all2all_backend="allgather_reducescatter", enable_eplb=False)
+    held = []
+    for dp_rank in range(dp):
+        for tp_rank in range(tp):
+            ns["_dp"], ns["_tp_rank"] = SimpleNamespace(rank_in_group=dp_rank), tp_rank
+            cfg = ns["FusedMoEParallelConfig"].make(tp_size_=tp, pcp_size_=1, dp_size_=dp, sp_size_=1,
+                                                     vllm_parallel_config=par)
+            assert (cfg.tp_size, cfg.ep_size, cfg.use_ep, cfg.use_all2all_kernels) == \
+                (topo.moe_tp, topo.ep_size, topo.ep_on, topo.all2all)
+            for experts in (896, 8, 61):
+                held.append((experts, ns["determine_expert_map"](cfg.ep_size, cfg.ep_rank, experts)[0]))
+    for experts in (896, 8, 61):
+        assert max(n for e, n in held if e == experts) == local_experts(experts, topo.ep_size)
+    for layers, pp in ((93, 2), (93, 4), (7, 3), (3, 3), (62, 8)):
+        got = [ns["get_pp_indices"](layers, r, pp) for r in range(pp)]
+        assert [(s.start, s.stop) for s in pp_stages(layers, pp)] == got
+
+
+def test_two_node_topologies_at_k3_dims():
+    """Per topology on the plugin: the kernel, the self-test, and the experts' memory per rank
+    (all 896 experts, K3's expert dims, 4 MoE layers of 5), computed here from the dims."""
+    config, tensors = k3_headers(layers=4, experts=896)
+    config["text_config"]["num_hidden_layers"] = 5
+    per_expert = 3 * 3072 * 3584 * (0.5 + 2 / 32)           # int4 + bf16 scale per 32, bytes
+    want = {"TP 8 + EP": (112, 3072, 4), "DP 2 x TP 8 + EP": (56, 3072, 4), "PP 2 x TP 8": (896, 384, 2)}
+    for name, topo in TWO_NODE.items():
+        c = serving.serving_check(config, tensors, "vllm-rocm-plugin", topo)
+        assert c.ok and c.summary == f"vllm-rocm-plugin at {name}: {len(RULES)}/{len(RULES)} rules pass", c.problems
+        local, inter, layers = want[name]
+        gb = per_expert * local * inter / 3072 * layers / 1e9
+        text = "\n".join(c.notes)
+        assert "AITER a16w4 with Situv2 beta 4.0 linear_beta 25.0" in text and "self-test runs" in text
+        assert f"int4 as stored, {gb:.3g} GB per rank" in text, text
+        assert f"per rank {local}/896 experts x {inter} of 3072 intermediate, {layers}/4 MoE layers" in text, text
+        assert ("all2all" in text) == (name == "DP 2 x TP 8 + EP")
+        assert all(len(n) <= 160 for n in c.notes), c.notes
+    # without --ep, DP flattens the MoE's TP to 16: 192 channels per rank, which the plugin refuses
+    c = serving.serving_check(config, tensors, "vllm-rocm-plugin", Topology(8, dp=2))
+    assert not c.ok and "per-rank intermediate size 192 is not a multiple of 128" in c.problems[0]
+    assert any("with EP: 1, 2, 3, 4, 5, 6, 7, 8" in n for n in c.notes), c.notes
+
+
+def test_cli_topology_flags(servable):
+    """--dp/--pp/--ep reach the check; SGLang refuses them (its split was not read)."""
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-cuda", "--dp", "2", "--tp", "2", "--ep")
+    assert "serving      vllm-cuda at DP 2 x TP 2 + EP" in r.output, r.output
+    assert "EP 4 (all2all)" in r.output and "per rank 1/4 experts" in r.output
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-cuda", "--pp", "2")
+    assert r.exit_code == 0 and "at PP 2 x TP 1: " in r.output and "1/2 MoE layers" in r.output, r.output
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "sglang-rocm", "--ep")
+    assert r.exit_code == 2 and "vllm-* servers only" in r.output
+
+
+def _passes(config, tensors, server, topo) -> bool:
+    return all(r.ok for r in serving.evaluate(config, tensors, server, topo))
+
+
+@pytest.mark.parametrize("server", ["vllm-rocm-plugin", "vllm-cuda", "vllm-rocm", "sglang-cuda"])
+@pytest.mark.parametrize("dims", [(192, 128), (128, 128), (3072, 3584), (64, 96)])
+def test_advice_lists_exactly_the_sizes_that_pass(server, dims):
+    """The listed TP sizes are found by running every rule at each: each listed one passes when run,
+    each other one fails. On the demo fixture's dims (192 x 128) 74b0137 said "TP sizes that fit: 1,
+    2, 3, 6", and the plugin failed at every one of them."""
+    inter, hidden = dims
+    config, tensors = k3_headers(layers=1, experts=2, inter=inter, hidden=hidden,
+                                 act=None if server != "sglang-cuda" else {"hidden_act": "silu"})
+    ctx = serving._context(config, tensors, server)
+    for topo in (Topology(4), Topology(4, ep=True)) if server.startswith("vllm") else (Topology(4),):
+        listed = serving.passing_tp(ctx, topo, limit=20)
+        for t in range(1, 21):
+            assert _passes(config, tensors, server, topo.with_tp(t)) == (t in listed), (t, listed)
+    if server == "vllm-rocm-plugin" and dims == (192, 128):
+        assert not any(_passes(config, tensors, server, Topology(t)) for t in (1, 2, 3, 6))
+        c = serving.serving_check(config, tensors, server, 4)
+        assert "TP sizes that pass: none up to 64" in c.notes
+
+
+def test_findings_are_short_and_cite_under_verbose(servable):
+    """One short line per finding; the file-and-line citations only with --verbose."""
+    args = ("verify", servable, "--no-checksums", "--serving", "vllm-rocm", "--tp", "8")
+    short, verbose = run_cli(*args), run_cli(*args, "--verbose")
+    assert short.exit_code == verbose.exit_code == 5
+    assert len(problem_lines(short.output)) == 1 and problem_lines(short.output) == problem_lines(verbose.output)
+    assert all(len(ln) <= SHORT + 8 for ln in short.output.splitlines() if "serving" in ln or "- rule" in ln)
+    for cite in ("fused_moe/oracle/int_wna16.py 126-143", "fused_moe/config.py 1198-1201",
+                 "rule kernel fix: for SiTU experts"):
+        assert cite not in short.output and cite in verbose.output, cite
+
+
+# ---------------------------------------------------------------- the plugin: aiter missing, 0.33.x padding
+
+def _gemm1(*a, act=None, situ_beta=None, situ_linear_beta=None, **k):
+    raise NotImplementedError
+
+
+def test_aiter_missing_is_reported_as_missing():
+    """Without aiter, vLLM's is_fused_moe_enabled answers None (_aiter_ops.py 279-291): the refusal
+    says aiter is missing, not that AITER MoE is off."""
+    config, _ = k3_headers()
+    block = config["text_config"]["quantization_config"]
+    missing = route.Machine(is_rocm=True, on_gfx942=True, aiter_moe_enabled=False, vllm_version="0.33.0",
+                            aiter_found=False)
+    with pytest.raises(route.Refused, match="aiter is not installed") as e:
+        route.decide(block, None, config, missing)
+    assert "AITER MoE is off" not in str(e.value)
+    off = route.Machine(is_rocm=True, on_gfx942=True, aiter_moe_enabled=False, vllm_version="0.33.0", gemm1=_gemm1)
+    with pytest.raises(route.Refused, match="AITER MoE is off"):
+        route.decide(block, None, config, off)
+
+
+@pytest.mark.parametrize("version, crashes", [("0.33.0", True), ("0.33.1", True), ("0.33.0+rocm700", True),
+                                              ("0.33.2rc1", True), ("0.33.1.dev12+g1234", True),
+                                              ("0.34.0", False), ("0.32.1", False), ("0.3.3", False), ("", False)])
+def test_padding_crash_matches_every_033_build(version, crashes):
+    assert bool(route.padding_refusal(3072, 16, 256, version)) == crashes
+    assert route.padding_refusal(3072, 8, 256, version) is None      # 384 per rank: nothing padded
+
+
+# ---------------------------------------------------------------- issue 26 section 3: the loaders' refusals
+
+def _moe_headers(model_type: str, experts: int, text: dict, name="model.layers.{L}.mlp.experts", w=("w1", "w3", "w2"),
+                 inter=512, hidden=256):
+    config, _ = k3_headers(layers=1, experts=1, act={"hidden_act": "silu"})
+    block = config["text_config"]["quantization_config"]
+    config = {"model_type": model_type, "torch_dtype": "bfloat16", "quantization_config": block, **text}
+    tensors = {}
+    for e in range(experts):
+        for proj, (o, i) in zip(w, ((inter, hidden), (inter, hidden), (hidden, inter))):
+            m = f"{name.format(L=1)}.{e}.{proj}"
+            tensors[f"{m}.weight_packed"] = SimpleNamespace(dtype="I32", shape=(o, i // 8))
+            tensors[f"{m}.weight_scale"] = SimpleNamespace(dtype="BF16", shape=(o, i // 32))
+    return config, tensors
+
+
+@pytest.mark.parametrize("model_type, key, where, text", [
+    ("minimax_m3_text", "num_local_experts", "models/minimax_m3/amd/model.py 362-366",
+     {"hidden_act": "swigluoai", "swiglu_alpha": 1.702, "swiglu_limit": 7.0}),
+    ("mimo_v2", "n_routed_experts", "model_executor/models/mimo_v2.py 138-142", {"hidden_act": "silu"}),
+])
+def test_tp_above_the_expert_count_is_refused(model_type, key, where, text):
+    """vLLM refuses TP > number of experts for MiniMax-M3 and MiMo-V2; 74b0137 passed TP 16 with 8."""
+    config, tensors = _moe_headers(model_type, 8, {**text, key: 8, "num_attention_heads": 64})
+    for server in ("vllm-rocm", "vllm-cuda"):
+        res = {r.rule: r for r in serving.evaluate(config, tensors, server, 16)}
+        assert not res["loader"].ok and res["loader"].message == \
+            f"rule loader: TP 16 > {key} 8: vLLM's loader refuses it", res["loader"].message
+        assert where in res["loader"].detail
+        assert [r for r in res.values() if not r.ok] == [res["loader"]]
+        assert all(r.ok for r in serving.evaluate(config, tensors, server, 8))
+        assert all(r.ok for r in serving.evaluate(config, tensors, server, Topology(8, dp=2, ep=True)))
+        assert all(r.ok for r in serving.evaluate(config, tensors, "sglang-cuda", 16) if r.rule == "loader")
+
+
+def test_heads_and_kv_heads_refusals():
+    """The engine refuses heads TP does not divide (config/model.py 1557-1563); Kimi's KDA heads
+    (kda.py 130-131); MiniMax's KV-head rule (model.py 519-523); a MiMo with non-silu experts."""
+    config, tensors = k3_headers(layers=1, experts=2)
+    config["text_config"].update(num_attention_heads=64, linear_attn_config={"num_heads": 96, "head_dim": 128})
+    assert next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 8) if r.rule == "loader").ok
+    r = next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 5) if r.rule == "loader")
+    assert r.message == "rule loader: num_attention_heads 64 not divisible by TP 5: vLLM's loader refuses it (and 1 " \
+                        "more)" and "linear.py 405 (MLA)" in r.detail and "kda.py 130-131" in r.detail
+    assert "linear_attn_config.num_heads 96 not divisible by TP 5" in r.detail
+    r = next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 3) if r.rule == "loader")
+    assert r.message.startswith("rule loader: num_attention_heads 64 not divisible by TP 3") and "more" not in r.message
+    config["text_config"]["num_attention_heads"] = 96
+    r = next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 12) if r.rule == "loader")
+    assert r.ok
+    mm, mt = _moe_headers("minimax_m3_vl", 8, {"text_config": {"model_type": "minimax_m3_text",
+                                                               "num_key_value_heads": 4, "num_attention_heads": 48}},
+                          inter=768)
+    msgs = [r.message for r in serving.evaluate(mm, mt, "vllm-rocm", 6) if not r.ok]
+    assert msgs == ["rule loader: num_key_value_heads 4 and TP 6 do not divide one another: vLLM's loader "
+                    "refuses it"], msgs
+    mi, ti = _moe_headers("mimo_v2_flash", 8, {"hidden_act": "gelu", "n_routed_experts": 8})
+    assert any("hidden_act is 'gelu', not 'silu'" in r.message for r in serving.evaluate(mi, ti, "vllm-rocm", 1))
+
+
+def test_a_model_is_added_by_one_table_entry(monkeypatch):
+    """LOADERS is the per-model table: a new model type's refusal is checked once it is listed."""
+    config, tensors = _moe_headers("bailing_moe_v3", 8, {"num_experts": 8})
+    assert all(r.ok for r in serving.evaluate(config, tensors, "vllm-cuda", 16) if r.rule == "loader")
+    monkeypatch.setitem(loaders.LOADERS, "bailing_moe_v3", (loaders.Refusal("num_experts", "tp<=", "somewhere 1-2"),))
+    r = next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 16) if r.rule == "loader")
+    assert not r.ok and "TP 16 > num_experts 8" in r.message and r.detail == "somewhere 1-2"
+
+
+@pytest.fixture(scope="module")
+def moe_outputs(tmp_path_factory):
+    """The MiniMax-M3 and MiMo-V2 fixtures (4 experts each), converted."""
+    import mimo_v2_fixture as mimo
+    import minimax_m3_fixture as mm3
+    out = {}
+    for name, mod in (("minimax", mm3), ("mimo", mimo)):
+        root = tmp_path_factory.mktemp(name)
+        mod.write(str(root / "src"))
+        convert(str(root / "src"), str(root / "dst"), Options())
+        out[name] = str(root / "dst")
+    return out
+
+
+@pytest.mark.parametrize("name, key, advice, passing", [
+    ("minimax", "num_local_experts", "TP sizes that pass: 1; with EP: 1, 2", ("--tp", "2", "--ep")),
+    ("mimo", "n_routed_experts", "TP sizes that pass: 1, 2\n", ("--tp", "2"))])
+def test_cli_refuses_tp_above_experts_on_converted_outputs(moe_outputs, name, key, advice, passing):
+    r = run_cli("verify", moe_outputs[name], "--no-checksums", "--serving", "vllm-rocm", "--tp", "8")
+    assert r.exit_code == 5 and f"rule loader: TP 8 > {key} 4" in r.output, r.output
+    assert advice in r.output     # the fixtures' 2 heads: TP 2 at most
+    r = run_cli("verify", moe_outputs[name], "--no-checksums", "--serving", "vllm-rocm", *passing)
+    assert r.exit_code == 0, r.output
