@@ -37,13 +37,14 @@ def machine() -> route.Machine:
         gpu = str(current_platform.get_device_name())
     except Exception:  # noqa: BLE001 - for messages only
         gpu = ""
+    found = True
     try:
-        from vllm._aiter_ops import IS_AITER_FOUND, rocm_aiter_ops
-        found = bool(IS_AITER_FOUND)
+        from vllm import _aiter_ops
+        found = bool(getattr(_aiter_ops, "IS_AITER_FOUND", True))   # find_spec("aiter"), _aiter_ops.py 113-123
         # None (not False) without aiter: if_aiter_supported (_aiter_ops.py 279-291) skips the switch
-        moe_on = bool(rocm_aiter_ops.is_fused_moe_enabled())
+        moe_on = bool(_aiter_ops.rocm_aiter_ops.is_fused_moe_enabled())
     except Exception:  # noqa: BLE001
-        found, moe_on = True, False
+        moe_on = False
     gemm1, error = None, ""
     if gfx942 and moe_on:
         try:
