@@ -504,11 +504,6 @@ def _config_size(config: dict | None, *keys: str) -> tuple[str, int] | None:
     return None
 
 
-def fitting_tp(inter: int, limit: int = 64) -> list[int]:
-    """TP sizes up to ``limit`` at which every rank holds whole groups of the intermediate dim."""
-    return [t for t in range(1, limit + 1) if inter % t == 0 and (inter // t) % GROUP == 0]
-
-
 def _size_problems(sizes: dict[str, tuple[int, int]], config: dict | None) -> list[tuple[str, str]]:
     """Sizes from the tensor shapes (the truth), checked per distinct (intermediate, hidden)."""
     out = []
@@ -667,7 +662,7 @@ class Memory:
     inter: int
     padded: bool = False     # KimiMoE padded the intermediate dim
 
-    def text(self, tp: int | None = None) -> str:
+    def text(self) -> str:
         return f"{self.bf16 / 1e9:.3g} GB per rank bf16 (int4 as stored: {self.int4 / 1e9:.3g} GB)"
 
     def split(self) -> str:

@@ -21,7 +21,10 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from compressed_tensors.quantization.quant_scheme import W4A16
 
-from converter.serving import RULES, SERVERS, check_serving, evaluate, fitting_tp
+from converter import loaders, serving
+from converter.serving import RULES, SERVERS, check_serving, evaluate
+from converter.topology import Topology, local_experts, pp_stages
+from converter.vllm_plugin import route
 from conftest import (SPEC, ct_mxfp4_encode, read_json, rewrite_shard, run_cli, shard_names, sync_index,
                       write_json)
 from converter.fixture import FixtureSpec, make_fixture
@@ -310,10 +313,12 @@ def test_tp_that_splits_groups_fails(dst, tp):
     only_failure(dst, "tp-intermediate", f"per-rank intermediate size 64/{tp}=", f"at MoE TP {tp}", tp=tp)
 
 
-def test_fitting_tp_for_kimi_k3():
-    """K3's intermediate 3072 = 96 groups of 32: TP must divide 96 (8 and 16 fit, 64 does not)."""
-    assert fitting_tp(3072) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48]
-    assert fitting_tp(SPEC.inter) == [1, 2]
+def test_k3_tp_sizes_that_pass_on_cuda():
+    """K3's intermediate 3072 on vLLM CUDA: the sizes without KimiMoE padding whose per-rank size is
+    whole groups (74b0137 listed 16-48 as fitting, where KimiMoE pads)."""
+    config, tensors = k3_headers(layers=1, experts=2)
+    ctx = serving._context(config, tensors, "vllm-cuda")
+    assert serving.passing_tp(ctx, Topology(1)) == [1, 2, 3, 4, 6, 8, 12]
 
 
 @pytest.mark.parametrize("key, value, needle", [
@@ -594,10 +599,6 @@ def test_plugin_refuses_sizes_its_kernel_would_pad():
 
 
 # ---------------------------------------------------------------- issue 23 section 4: topologies
-
-from converter import loaders, serving                                       # noqa: E402
-from converter.topology import Topology, local_experts, pp_stages            # noqa: E402
-from converter.vllm_plugin import route                                      # noqa: E402
 
 TWO_NODE = {"TP 8 + EP": Topology(8, ep=True), "DP 2 x TP 8 + EP": Topology(8, dp=2, ep=True),
             "PP 2 x TP 8": Topology(8, pp=2)}
