@@ -290,20 +290,37 @@ def demo(ctx, workdir) -> None:
                    "picks, the memory (docs/serving.md).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tensor-parallel size the server will run with (with --serving).")
+@click.option("--dp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Data-parallel size, vLLM's --data-parallel-size (with --serving vllm-*).")
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Pipeline-parallel size, vLLM's --pipeline-parallel-size (with --serving vllm-*).")
+@click.option("--ep", is_flag=True,
+              help="Expert parallelism, vLLM's --enable-expert-parallel (with --serving vllm-*).")
+@click.option("--verbose", "-v", is_flag=True,
+              help="With --serving: where the server enforces each rule (file and line), and the fixes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, as_json) -> None:
+def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, dp, pp, ep, verbose, as_json) -> None:
     """Check a converted DST: every file against the manifest, checksums, structure, SiTU metadata,
     (with --source) every file against SRC and the numbers, and (with --serving) whether that
-    server's int4 MoE path will load it at --tp.
+    server's int4 MoE path will load it at --tp (--dp, --pp, --ep: the vLLM launch; docs/serving.md).
 
     Exit 0 when every check passes, 5 when one fails, 2 when DST or SRC cannot be read."""
     from .verify import verify
 
-    if tp != 1 and serving is None:
-        raise click.UsageError("--tp is used with --serving")
+    from .serving import topology
+    from .topology import Topology
+
+    if (tp != 1 or dp != 1 or pp != 1 or ep or verbose) and serving is None:
+        raise click.UsageError("--tp, --dp, --pp, --ep and --verbose are used with --serving")
+    topo = None
+    if serving:
+        try:
+            topo = topology(serving, Topology(tp, dp, pp, ep))
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
     try:
         result = verify(dst, src, None if all_ else sample, checksums=not no_checksums,
-                        serving=(serving, tp) if serving else None)
+                        serving=(serving, topo, verbose) if serving else None)
     except ConvertError as e:
         _fail(e)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.format())

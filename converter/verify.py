@@ -892,12 +892,13 @@ def _redecode(src: str, d: _Dst, rows: dict[str, dict], sample: int | None, resu
 # --------------------------------------------------------------------------- entry point
 
 def verify(dst: str, source: str | None = None, sample: int | None = 8, *, checksums: bool = True,
-           workers: int = 4, serving: tuple[str, int] | None = None) -> VerifyResult:
+           workers: int = 4, serving: tuple | None = None) -> VerifyResult:
     """Verify DST; problems are listed in the result (BadInput only when DST or SRC is unreadable).
 
     ``sample``: converted tensors re-decoded when ``source`` is given (None: every one).
     ``checksums=False`` skips hashing the shards (the structural checks stay).
-    ``serving=(server, tp)`` adds the "serving" check: the rules of that server's int4 MoE path.
+    ``serving=(server, tp)`` (tp an int or a ``topology.Topology``, optionally a third item: verbose)
+    adds the "serving" check: the rules of that server's int4 MoE path.
     """
     files, index, config = Check("files"), Check("index"), Check("config")
     d = _load(dst, files, index, config)
