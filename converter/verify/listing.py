@@ -2,7 +2,7 @@
 
 A file the manifest does not name fails (upload would publish it), a temporary is named, not
 failed (upload never sends one), and each file it records beside the shards has its size and
-digest. Sets ``result.files``: the files upload sends. Only files the walk found are opened:
+digest; anything but a regular file fails. Sets ``result.files``: the files upload sends. Only files the walk found are opened:
 the manifest's names are untrusted.
 """
 from __future__ import annotations
@@ -33,18 +33,22 @@ def run(ctx: Context) -> list[Check]:
     if found.temporaries:
         c.notes.append(f"left by an interrupted run, not part of the output (never uploaded; the finalize that "
                        f"completes DST removes them): {', '.join(found.temporaries)}")
+    # only regular files are output (S16): a FIFO, device or socket would be listed but never sent
+    irregular = {f: why for f in found.files if (why := regular_problem(os.path.join(d.path, f)))}
+    c.problems += [f"{f}: {why}" for f, why in irregular.items()
+                   if not any(p.startswith(f"{f}: ") for p in c.problems)]  # loading may have said why
     present = set(found.files)
     for rel, rec in sorted((d.manifest.get("files") or {}).items()):
         path = os.path.join(d.path, rel)
         if rel not in present:
             c.fail(f"{rel}: named by {MANIFEST} but missing")
-        elif why := regular_problem(path):
-            c.fail(f"{rel}: {why}")
+        elif rel in irregular:
+            continue
         elif os.path.getsize(path) != rec.get("bytes"):
             c.fail(f"{rel}: {os.path.getsize(path)} bytes, {MANIFEST} says {rec.get('bytes')}")
         elif file_digest(path) != rec.get("digest"):
             c.fail(f"{rel}: its digest does not match {MANIFEST}'s (edited after the conversion?)")
-    ctx.result.files = accepted(found, d.manifest)
+    ctx.result.files = [f for f in accepted(found, d.manifest) if f not in irregular]
     c.summary = (f"{len(ctx.result.files)} file(s), each named by the manifest; {len(d.headers)} shard(s) with "
                  "readable safetensors headers")
     return [c]
