@@ -231,7 +231,7 @@ def streams_upload_folder() -> bool:
 
 def upload_method(api: Any) -> str:
     """The HfApi method that sends a large folder resumably with the installed huggingface_hub."""
-    if streams_upload_folder() or not hasattr(api, "upload_large_folder"):
+    if streams_upload_folder() and hasattr(api, "upload_folder") or not hasattr(api, "upload_large_folder"):
         return "upload_folder"
     return "upload_large_folder"
 
