@@ -21,11 +21,18 @@ def one(tree: str, args: list[str]) -> tuple[float, float, int]:
     """(wall s, peak RSS MB, exit code) of ``python -m converter ARGS`` importing ``tree``'s converter."""
     env = {**os.environ, "PYTHONPATH": tree}
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "converter", *args], env=env,
+    p = subprocess.Popen([sys.executable, "-m", "converter", *args], env=env, cwd="/",  # not this checkout
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     return wall, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status)
+
+
+def which(tree: str) -> str:
+    """The converter package a run with ``tree`` imports (a check that the trees differ)."""
+    env = {**os.environ, "PYTHONPATH": tree}
+    return subprocess.run([sys.executable, "-c", "import converter; print(converter.__file__)"], env=env, cwd="/",
+                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 def main() -> None:
@@ -35,6 +42,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     a = ap.parse_args()
     trees = [("new", HERE)] + ([("old", os.path.abspath(a.old))] if a.old else [])
+    for name, tree in trees:
+        print(f"{name}: {which(tree)}")
     cases = [("verify DST", ["verify", a.dst]), ("verify /nonexistent", ["verify", "/nonexistent/k3convert-bench"])]
     for label, args in cases:
         got: dict[str, list[tuple[float, float, int]]] = {n: [] for n, _ in trees}
