@@ -25,7 +25,8 @@ def one(tree: str, args: list[str]) -> tuple[float, float, int]:
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
-    return wall, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status)
+    p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+    return wall, usage.ru_maxrss / 1024, p.returncode
 
 
 def which(tree: str) -> str:
