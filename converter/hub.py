@@ -278,7 +278,8 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
     """Check DST, write its model card if it has none, and upload it to ``repo_id`` (a model repo).
 
     Refuses (VerifyFailed, exit 5) unless the manifest says complete and the structural checks
-    pass. ``dry_run``: only list what would be sent; nothing is written and nothing is sent.
+    pass; OutputError (exit 4) while a run changes DST (its read lock). ``dry_run``: only list
+    what would be sent; nothing is written, nothing is sent, no lock is taken.
     """
     dst = os.path.abspath(dst)
     if not _REPO_ID.match(repo_id):
