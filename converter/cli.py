@@ -355,7 +355,7 @@ def upload_cmd(dst, repo_id, private, revision, dry_run, token, verify_checksums
     """Upload a complete, verified DST to the Hub as REPO_ID, with a model card (README.md) if it has none.
 
     Resumable: run the same command again after an interruption."""
-    from .hub import upload
+    from .hub import card_preview, upload
 
     try:
         res = upload(dst, repo_id, private=private, revision=revision, dry_run=dry_run, token=token,
@@ -365,7 +365,7 @@ def upload_cmd(dst, repo_id, private, revision, dry_run, token, verify_checksums
     if dry_run:
         for path, size in res.files:
             click.echo(f"{size:>16,d}  {path}")
-    click.echo(f"README.md: {res.readme}")
+    click.echo(f"README.md: {res.readme}" + (card_preview(res.card) if dry_run and res.card else ""))
     verb = "would upload" if dry_run else f"uploaded with HfApi.{res.method}"
     click.echo(f"{verb} {len(res.files)} files, {res.total_bytes / 1e9:.3f} GB -> {repo_id}"
                + (f" (revision {revision})" if revision else ""))
