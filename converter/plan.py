@@ -354,9 +354,7 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     config = ckpt.load_json(config_path)  # a FIFO is refused, never waited on (json_input.load_file)
     prof, why = profiles.choose(config, ckpt.dialect(config, config_path), profile, config_path)
     source = ckpt.mxfp4_source(config, config_path, drop_activation_quant, prof.source)
-    act = ckpt.activation(config, config_path, prof.required_activation)
-    act.update({k: v for k, (v, _) in ckpt.activation_fields(config, prof.optional_activation).items()
-                if k in prof.optional_activation})
+    act = ckpt.activation(config, config_path, prof.required_activation, prof.optional_activation)
     wm = ckpt.weight_map(src)
     problems: list[str] = []
     by_shard: dict[str, list[str]] = {}

@@ -585,7 +585,11 @@ def kernel(server: str, config: dict | None, mats: list["_Matrix"], sizes: Mappi
            tp: int) -> Verdict:
     """The MoE method and kernel ``server`` gives these experts, as its code selects them."""
     srv = SERVER_INFO[server]
-    act = activation(config)
+    try:   # read where the model reads them (converter.activation_fields): a top-level-only field is refused
+        act = activation(config)
+        vname, said = vllm_moe_activation(config, act)   # what the model's FusedMoE is given (issue 20)
+    except BadInput as e:
+        return Verdict(f"{srv.method}: activation not read", str(e))
     name = act["hidden_act"]
     kimi_min = kimi_min_per_rank(config) if srv.family == "vllm" else 0
     mem = expert_memory(mats, sizes, tp, kimi_min=kimi_min)
@@ -596,7 +600,6 @@ def kernel(server: str, config: dict | None, mats: list["_Matrix"], sizes: Mappi
                                               "needs it")
     if server == "vllm-rocm-plugin":
         return _plugin(config, act, mem, tp, int4, sizes, kimi_min)
-    vname, said = vllm_moe_activation(config, act)   # what the model's FusedMoE is given (issue 20)
     if server == "vllm-rocm":
         return _said(_vllm_oracle(srv, vname, mem, tp, int4, marlin=False), said)
     if server == "vllm-cuda":
