@@ -381,6 +381,8 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     if expected is not None and not problems:  # what the other checks cannot see: an index that lacks modules
         problems += profiles.inventory_problems(
             expected, {m: (c.rows, c.cols) for m, c in converts.items()}, wm)
+        if extra := profiles.unexpected_modules(prof, config, expected, converts):   # and one that holds more
+            problems.append(profiles.extras_problem(prof, expected, extra, lambda m: converts[m].packed))
 
     by_packed: dict[str, list[Convert]] = {}
     for c in converts.values():

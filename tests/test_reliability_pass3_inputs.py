@@ -1,0 +1,172 @@
+"""Defects of the third adversarial pass (/work/shared/RELIABILITY.md "Pass 3", main 74b0137), section 2
+of issue 25: inputs the config does not describe (S4-S9). Each test failed on 74b0137.
+docs/reliability.md maps each to its mechanism.
+"""
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+
+import minimax_m3_fixture as mm3
+from conftest import assert_clean_error, assert_not_complete, read_json, run_cli, write_json
+from converter import serving
+from converter.fixture import FixtureSpec, config as k3_config
+from converter.formats.dialect import int4_block
+from converter.vllm_plugin import route
+
+CONFIG = "config.json"
+SITU = {"hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0}
+
+
+def convert(src: str, dst: str, *more: str):
+    return run_cli("mxfp4-to-int4", src, "-o", dst, "--progress", "none", *more)
+
+
+def edit_text(src: str, **fields) -> None:
+    """Set (value) or delete (None marker: ...) text_config fields of SRC's config.json."""
+    path = os.path.join(src, CONFIG)
+    cfg = read_json(path)
+    for k, v in fields.items():
+        if v is ...:
+            cfg["text_config"].pop(k, None)
+        else:
+            cfg["text_config"][k] = v
+    write_json(path, cfg)
+
+
+def edit_top(src: str, **fields) -> None:
+    path = os.path.join(src, CONFIG)
+    cfg = read_json(path)
+    cfg.update(fields)
+    write_json(path, cfg)
+
+
+@pytest.fixture
+def mm3_src(tmp_path) -> str:
+    src = str(tmp_path / "mm3")
+    mm3.write(src)
+    return src
+
+
+# ---------------------------------------------------------------- S4: more experts than the config says
+
+K3_EXPERT = "language_model.model.layers.{}.block_sparse_moe.experts.{}."
+
+
+@pytest.mark.parametrize("field, value, extra, first", [
+    ("num_experts", 3, 6, K3_EXPERT.format(1, 3)),          # 2 MoE layers x 1 expert x 3 projections
+    ("num_hidden_layers", 2, 12, K3_EXPERT.format(2, 0)),   # layer 2: 4 experts x 3
+])
+def test_s4_k3_experts_the_config_does_not_describe_are_refused(src_copy, tmp_path, field, value, extra, first):
+    edit_text(src_copy, **{field: value})
+    dst = str(tmp_path / "dst")
+    err = assert_clean_error(convert(src_copy, dst), "config.json does not describe this expert matrix",
+                             f"holds {extra} more", f"tensor {first}", ".safetensors", code=2)
+    assert "text_config.num_experts" in err
+    assert_not_complete(dst)
+
+
+def test_s4_k3_mtp_layers_after_the_last_layer_are_let_through(src_copy, tmp_path):
+    """vLLM 0.33.0 builds K3's MTP draft layers at [num_hidden_layers, + num_nextn_predict_layers)
+    (models/kimi_k3/amd/mtp.py 124-135): experts there are converted, not refused."""
+    edit_text(src_copy, num_hidden_layers=2, num_nextn_predict_layers=1)
+    r = convert(src_copy, str(tmp_path / "dst"))
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("field, value, extra", [
+    ("moe_layer_freq", [0, 1, 0], 12),     # layer 2 dense by the config, 4 experts x 3 in the checkpoint
+    ("num_local_experts", 3, 6),
+])
+def test_s4_minimax_experts_the_config_does_not_describe_are_refused(mm3_src, tmp_path, field, value, extra):
+    edit_text(mm3_src, **{field: value})
+    dst = str(tmp_path / "dst")
+    assert_clean_error(convert(mm3_src, dst), "config.json does not describe this expert matrix",
+                       f"holds {extra} more", "model.safetensors, tensor language_model.model.layers.", code=2)
+    assert_not_complete(dst)
+
+
+# ---------------------------------------------------------------- S5: optional activation fields checked
+
+@pytest.mark.parametrize("value", ["1.5", None, [1.0], True])
+def test_s5_swiglu_beta_of_the_wrong_type_is_refused(mm3_src, tmp_path, value):
+    edit_text(mm3_src, swiglu_beta=value)
+    dst = str(tmp_path / "dst")
+    assert_clean_error(convert(mm3_src, dst), CONFIG, "text_config.swiglu_beta is", "expected a finite number",
+                       code=2)
+    assert_not_complete(dst)
+
+
+def test_s5_swiglu_beta_conflict_between_text_config_and_top_level_is_refused(mm3_src, tmp_path):
+    edit_text(mm3_src, swiglu_beta=1.0)
+    edit_top(mm3_src, swiglu_beta=1.5)
+    assert_clean_error(convert(mm3_src, str(tmp_path / "dst")), CONFIG, "text_config.swiglu_beta is 1.0",
+                       "top-level swiglu_beta is 1.5", code=2)
+
+
+def test_s5_swiglu_beta_at_top_level_only_is_refused(mm3_src, tmp_path):
+    """vLLM's MiniMaxM3Config builds text_config from the nested dict (configs/minimax_m3.py 140-144):
+    a top-level swiglu_beta never reaches the experts, which would run with the default 1.0."""
+    edit_top(mm3_src, swiglu_beta=1.5)
+    assert_clean_error(convert(mm3_src, str(tmp_path / "dst")), CONFIG,
+                       "top-level swiglu_beta is 1.5 but text_config has no swiglu_beta", code=2)
+
+
+def test_s5_a_stated_swiglu_beta_is_carried(mm3_src, tmp_path):
+    edit_text(mm3_src, swiglu_beta=1.25)
+    dst = str(tmp_path / "dst")
+    r = convert(mm3_src, dst)
+    assert r.exit_code == 0, r.output
+    assert read_json(os.path.join(dst, "k3convert_manifest.json"))["activation"]["swiglu_beta"] == 1.25
+    assert run_cli("verify", dst).exit_code == 0
+
+
+# ---------------------------------------------------------------- S6: one reader of the SiTU fields
+
+def k3_int4(top: dict, text_drop: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """(quantization_config, config.json) of a K3 int4 output with ``top`` at top level."""
+    cfg = k3_config(FixtureSpec())
+    quant = int4_block([r"re:.*\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$"], ["re:.*self_attn.*"])
+    cfg["text_config"]["quantization_config"] = quant
+    for k in text_drop:
+        del cfg["text_config"][k]
+    cfg.update(top)
+    return quant, cfg
+
+
+GOOD = route.Machine(is_rocm=True, on_gfx942=True, aiter_moe_enabled=True, vllm_version="0.33.0",
+                     gemm1=lambda *, a_bf16, act="silu", situ_beta=None, situ_linear_beta=None: None)
+
+
+def test_s6_top_level_situ_fields_are_refused_by_converter(src_copy, tmp_path):
+    edit_text(src_copy, **{k: ... for k in SITU})
+    edit_top(src_copy, **SITU)
+    assert_clean_error(convert(src_copy, str(tmp_path / "dst")), CONFIG,
+                       "top-level hidden_act is 'situ' but text_config has no hidden_act", "text_config alone",
+                       code=2)
+
+
+def test_s6_the_serving_check_and_the_plugin_read_them_as_the_converter_does():
+    quant, cfg = k3_int4(SITU, text_drop=tuple(SITU))
+    v = serving.kernel("vllm-cuda", cfg, [], {}, 1)      # 74b0137: read top level, passed
+    assert v.problem and "top-level hidden_act is 'situ' but text_config has no hidden_act" in v.problem
+    with pytest.raises(route.Refused, match="top-level hidden_act is 'situ' but text_config has no hidden_act"):
+        route.decide(quant, None, cfg, GOOD)             # 74b0137: None, stock vLLM decided
+
+
+def test_s6_the_plugin_refuses_what_vllms_config_object_shows():
+    """As vLLM 0.33.0 hands it over: KimiK3Config keeps top-level keys on itself and builds text_config
+    as KimiLinearConfig, whose hidden_act defaults to silu and betas to None (kimi_linear.py 21, 53-54)."""
+    quant, cfg = k3_int4({}, text_drop=tuple(SITU))
+    text = types.SimpleNamespace(**{**cfg["text_config"], "hidden_act": "silu", "activation_situ_beta": None,
+                                    "activation_situ_linear_beta": None})
+    obj = types.SimpleNamespace(model_type="kimi_k3", text_config=text, **SITU)
+    with pytest.raises(route.Refused, match="text_config.hidden_act is 'silu' but top-level hidden_act is 'situ'"):
+        route.decide(quant, None, obj, GOOD)
+    # stated in text_config, as vLLM reads it: the plugin serves it
+    quant, cfg = k3_int4({})
+    obj = types.SimpleNamespace(model_type="kimi_k3", text_config=types.SimpleNamespace(**cfg["text_config"]))
+    assert route.decide(quant, None, obj, GOOD) == route.NAME
+    assert serving.kernel("vllm-cuda", cfg, [], {}, 1).problem is None
