@@ -370,6 +370,7 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
             else:
                 tensors[name] = t
     source = source.seen(tensors)
+    problems += source.tensor_problems(tensors)
     converts = _pair(tensors, source, problems, {n for n, shard in wm.items() if shard not in headers})
     if prof.experts_only:
         problems += [f"file {c.packed.path}, tensor {c.packed.name}: MXFP4, but profile {prof.name!r} converts "

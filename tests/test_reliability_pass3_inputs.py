@@ -170,3 +170,56 @@ def test_s6_the_plugin_refuses_what_vllms_config_object_shows():
     obj = types.SimpleNamespace(model_type="kimi_k3", text_config=types.SimpleNamespace(**cfg["text_config"]))
     assert route.decide(quant, None, obj, GOOD) == route.NAME
     assert serving.kernel("vllm-cuda", cfg, [], {}, 1).problem is None
+
+
+# ---------------------------------------------------------------- S7: MiMo FP8 linears checked in preflight
+
+FP8 = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.fixture
+def mimo_src(tmp_path) -> str:
+    import mimo_v2_fixture as mimo
+    src = str(tmp_path / "mimo")
+    mimo.write(src)
+    return src
+
+
+def edit_mimo(src: str, edit) -> None:
+    from conftest import rewrite_shard
+    rewrite_shard(os.path.join(src, "model.safetensors"), edit)
+
+
+@pytest.mark.parametrize("tensor, dtype, needle", [
+    (f"{FP8}.weight_scale_inv", "int32", "I32, expected F32"),
+    (f"{FP8}.weight", "int8", "I8 beside the FP8 block scale"),
+])
+def test_s7_an_fp8_linear_of_the_wrong_dtype_is_refused(mimo_src, tmp_path, tensor, dtype, needle):
+    import torch
+    edit_mimo(mimo_src, lambda t: t.__setitem__(tensor, t[tensor].view(getattr(torch, dtype))
+                                                if t[tensor].element_size() == getattr(torch, dtype).itemsize
+                                                else t[tensor].to(getattr(torch, dtype))))
+    dst = str(tmp_path / "dst")
+    assert_clean_error(convert(mimo_src, dst), f"tensor {tensor}", needle, "model.safetensors", code=2)
+    assert_not_complete(dst)
+
+
+def test_s7_a_weight_scale_beside_weight_scale_inv_in_the_same_shard_is_refused(mimo_src, tmp_path):
+    edit_mimo(mimo_src, lambda t: t.__setitem__(f"{FP8}.weight_scale", t[f"{FP8}.weight_scale_inv"].clone()))
+    dst = str(tmp_path / "dst")
+    assert_clean_error(convert(mimo_src, dst), f"tensor {FP8}.weight_scale: beside {FP8}.weight_scale_inv",
+                       code=2)
+    assert_not_complete(dst)
+
+
+def test_s7_a_weight_scale_beside_weight_scale_inv_in_another_shard_is_refused(mimo_src, tmp_path):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(os.path.join(mimo_src, "model.safetensors"))
+    save_file({f"{FP8}.weight_scale": tensors[f"{FP8}.weight_scale_inv"].clone()},
+              os.path.join(mimo_src, "extra.safetensors"), metadata={"format": "pt"})
+    wm = {**{n: "model.safetensors" for n in tensors}, f"{FP8}.weight_scale": "extra.safetensors"}
+    write_json(os.path.join(mimo_src, "model.safetensors.index.json"), {"metadata": {}, "weight_map": wm})
+    dst = str(tmp_path / "dst")
+    assert_clean_error(convert(mimo_src, dst), f"file {os.path.join(mimo_src, 'extra.safetensors')}, "
+                       f"tensor {FP8}.weight_scale: beside", code=2)
+    assert_not_complete(dst)
