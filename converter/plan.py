@@ -20,7 +20,7 @@ from . import __version__, profiles
 from .errors import BadInput
 from .formats import checkpoint as ckpt
 from .formats.checkpoint import PACKED, SCALE, SHAPE
-from .formats.safetensors_io import Header, Layout, OutTensor, TensorInfo, read_header
+from .formats.safetensors_io import MAX_HEADER, Header, Layout, OutTensor, TensorInfo, read_header
 from .safepath import regular_problem, source_file, source_roots
 from .quant.rules import DEFAULT as DEFAULT_RULE
 
@@ -344,6 +344,18 @@ def _other_files(src: str, skip: set[str], roots: tuple[str, ...], problems: lis
     return found
 
 
+def _header_problem(sp: ShardPlan) -> str | None:
+    """An output header over safetensors' limit (the exact bytes the writer will write, fixed by the
+    plan): safe_open would refuse the shard. Converting adds a third tensor per module and the
+    activation metadata, so a source header just under the limit can end over it."""
+    n = len(sp.layout.header) - 8
+    if n <= MAX_HEADER:
+        return None
+    return (f"file {sp.path}: the converted shard's header would be {n:,} bytes (the source's is "
+            f"{sp.header_bytes - 8:,}), over safetensors' limit of {MAX_HEADER:,}: safe_open would refuse it; "
+            "split this shard into smaller ones (fewer tensors or less metadata) and convert again")
+
+
 def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool = False) -> Plan:
     """Check the whole source and plan the conversion, or raise BadInput listing every problem."""
     src = os.path.abspath(src)
@@ -397,6 +409,8 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
         items.sort(key=lambda x: x[0])
         shards.append(ShardPlan(shard, h.path, h.file_size, h.data_start, [it for _, it in items],
                                 shard_metadata(h.metadata, act, what)))
+        if why := _header_problem(shards[-1]):
+            problems.append(why)
     if not problems and not converts:
         problems.append(f"directory {src}: the quantization config selects no {source.packed_suffix}/"
                         f"{source.scale_suffix} pair")

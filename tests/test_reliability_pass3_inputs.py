@@ -4,6 +4,7 @@ docs/reliability.md maps each to its mechanism.
 """
 from __future__ import annotations
 
+import json
 import os
 import types
 
@@ -222,4 +223,32 @@ def test_s7_a_weight_scale_beside_weight_scale_inv_in_another_shard_is_refused(m
     dst = str(tmp_path / "dst")
     assert_clean_error(convert(mimo_src, dst), f"file {os.path.join(mimo_src, 'extra.safetensors')}, "
                        f"tensor {FP8}.weight_scale: beside", code=2)
+    assert_not_complete(dst)
+
+
+# ---------------------------------------------------------------- S8: an output header over the limit
+
+def test_s8_a_source_header_just_under_the_limit_is_refused_before_writing(src_copy, tmp_path):
+    """The source header padded by one long metadata value to within 16 bytes of safetensors' 100,000,000:
+    the converted header (a weight_shape per module, the activation metadata) would be over it."""
+    import struct
+    shard = sorted(f for f in os.listdir(src_copy) if f.endswith(".safetensors"))[0]
+    path = os.path.join(src_copy, shard)
+    with open(path, "rb") as f:
+        head = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        data = f.read()
+
+    def raw(pad: str) -> bytes:
+        head["__metadata__"]["pad"] = pad
+        b = json.dumps(head, separators=(",", ":")).encode()
+        return b + b" " * (-len(b) % 8)
+
+    b = raw("x" * (100_000_000 - len(raw("")) - 8))
+    assert 100_000_000 - 16 < len(b) <= 100_000_000
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(b)) + b + data)
+    dst = str(tmp_path / "dst")
+    assert_clean_error(convert(src_copy, dst), f"file {path}: the converted shard's header would be",
+                       "over safetensors' limit of 100,000,000", code=2)
+    assert not os.path.exists(os.path.join(dst, shard)) and not os.path.exists(os.path.join(dst, shard + ".partial"))
     assert_not_complete(dst)
