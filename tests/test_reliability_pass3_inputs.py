@@ -252,3 +252,52 @@ def test_s8_a_source_header_just_under_the_limit_is_refused_before_writing(src_c
                        "over safetensors' limit of 100,000,000", code=2)
     assert not os.path.exists(os.path.join(dst, shard)) and not os.path.exists(os.path.join(dst, shard + ".partial"))
     assert_not_complete(dst)
+
+
+# ---------------------------------------------------------------- S9: side files under links, names the Hub refuses
+
+def test_s9_a_linked_folder_inside_src_is_copied_as_regular_files(src_copy, tmp_path):
+    os.makedirs(os.path.join(src_copy, "real_tok"))
+    with open(os.path.join(src_copy, "real_tok", "tokenizer.json"), "w") as f:
+        f.write('{"model": "x"}')
+    os.symlink("real_tok", os.path.join(src_copy, "tokenizer"))
+    dst = str(tmp_path / "dst")
+    r = convert(src_copy, dst)
+    assert r.exit_code == 0, r.output
+    for rel in ("tokenizer/tokenizer.json", "real_tok/tokenizer.json"):     # 74b0137: tokenizer/ skipped
+        out = os.path.join(dst, rel)
+        assert not os.path.islink(out) and not os.path.islink(os.path.dirname(out))
+        assert open(out).read() == '{"model": "x"}'
+    assert run_cli("verify", dst, "--source", src_copy).exit_code == 0
+
+
+@pytest.mark.parametrize("target, needle", [
+    ("outside", "outside the checkpoint directory"),
+    (".", "a link to a folder it lies in (a loop)"),
+])
+def test_s9_a_linked_folder_outside_src_or_a_loop_is_refused_before_anything_is_written(src_copy, tmp_path,
+                                                                                         target, needle):
+    if target == "outside":
+        target = str(tmp_path / "elsewhere")
+        os.makedirs(target)
+        with open(os.path.join(target, "tokenizer.json"), "w") as f:
+            f.write("{}")
+    link = os.path.join(src_copy, "tokenizer")
+    os.symlink(target, link)
+    dst = str(tmp_path / "dst")
+    assert_clean_error(convert(src_copy, dst), f"file {link}: a link to", needle, code=2)
+    assert not os.path.exists(dst) or not [f for f in os.listdir(dst) if f.endswith(".safetensors")]
+
+
+@pytest.mark.parametrize("name, shown", [(b"chat\xff.jinja", "chat\\xff.jinja"), (b"sub\xfe", "sub\\xfe")])
+def test_s9b_a_side_file_name_that_is_not_utf8_is_refused_before_anything_is_written(src_copy, tmp_path,
+                                                                                      name, shown):
+    path = os.path.join(os.fsencode(src_copy), name)
+    if name.startswith(b"sub"):                       # a folder of that name, holding an ordinary file
+        os.makedirs(path)
+        path = os.path.join(path, b"x.txt")
+    with open(path, "wb") as f:
+        f.write(b"{{ messages }}")
+    dst = str(tmp_path / "dst")
+    assert_clean_error(convert(src_copy, dst), shown, "not valid UTF-8", "rename it", code=2)
+    assert not os.path.exists(dst) or not [f for f in os.listdir(dst) if f.endswith(".safetensors")]
