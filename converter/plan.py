@@ -460,8 +460,8 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
         items.sort(key=lambda x: x[0])
         shards.append(ShardPlan(shard, h.path, h.file_size, h.data_start, [it for _, it in items],
                                 shard_metadata(h.metadata, act, what)))
-        if why := _header_problem(shards[-1]):
-            problems.append(why)
+        if too_big := _header_problem(shards[-1]):
+            problems.append(too_big)
     if not problems and not converts:
         problems.append(f"directory {src}: the quantization config selects no {source.packed_suffix}/"
                         f"{source.scale_suffix} pair")
