@@ -147,6 +147,8 @@ def test_s6_top_level_situ_fields_are_refused_by_converter(src_copy, tmp_path):
     assert_clean_error(convert(src_copy, str(tmp_path / "dst")), CONFIG,
                        "top-level hidden_act is 'situ' but text_config has no hidden_act", "text_config alone",
                        code=2)
+    r = run_cli("inspect", src_copy)                 # inspect still describes it, and says why it is refused
+    assert r.exit_code == 0 and "preflight fails" in r.output and "text_config has no hidden_act" in r.output
 
 
 def test_s6_the_serving_check_and_the_plugin_read_them_as_the_converter_does():
