@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 TEXT, TOP = "text_config", "top-level"
+SITU_FIELDS = ("hidden_act", "activation_situ_beta", "activation_situ_linear_beta")   # K3's expert activation
 WHY = "vLLM builds the language model (and its experts) from text_config alone"
 
 

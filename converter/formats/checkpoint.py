@@ -22,7 +22,7 @@ from .dialect import (DIALECTS, DROP_FLAG, EXPERT_TARGET, MXFP4_FORMAT, PACKED, 
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-SITU_FIELDS = ("hidden_act", "activation_situ_beta", "activation_situ_linear_beta")
+SITU_FIELDS = activation_reader.SITU_FIELDS
 
 
 def load_json(path: str) -> dict:

@@ -10,7 +10,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ..activation_fields import ActivationConflict, find as find_activation
+from ..activation_fields import SITU_FIELDS, ActivationConflict, find as find_activation
 
 NAME = "k3convert-int4-gfx942"
 VLLM_SERIES = "0.33."                          # the vLLM the layout and kernel build were written for
@@ -65,9 +65,6 @@ def size_problem(hidden: int, inter_per_rank: int) -> str | None:
         return (f"hidden size {hidden} or per-rank intermediate size {inter_per_rank} is not a multiple "
                 f"of {ALIGN}")
     return check_dims(2 * inter_per_rank, hidden) or check_dims(hidden, inter_per_rank)
-
-
-SITU_FIELDS = ("hidden_act", "activation_situ_beta", "activation_situ_linear_beta")
 
 
 def situ_fields(hf_config: Any) -> dict[str, Any]:
@@ -192,6 +189,8 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
     stock vLLM serves SiTU int4 (Marlin) or has no ROCm kernel question. On ROCm a K3 int4 SiTU
     checkpoint is served by the plugin or refused in one line: stock vLLM there would dequantize it
     to bf16 (EMULATION: out of memory at K3's size) or, with --moe-backend flydsl on gfx950, compute SiLU.
+    A K3 int4 config whose SiTU fields sit at top level beside text_config is refused on every platform
+    (`situ_fields`): vLLM would build its experts from text_config's, SiLU by default.
     """
     if not is_k3_int4(quant_cfg, user_quant, hf_config):
         return None
