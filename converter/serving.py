@@ -740,7 +740,11 @@ def _int4(mem: Memory, topo: Topology) -> str:
 def _kernel(ctx: _Context, topo: Topology) -> Verdict:
     server, config, sizes = ctx.server, ctx.config, ctx.sizes
     srv = SERVER_INFO[server]
-    act = activation(config)
+    try:   # read where the model reads them (converter.activation_fields): a top-level-only field is refused
+        act = activation(config)
+        vname, said = vllm_moe_activation(config, act)   # what the model's FusedMoE is given (issue 20)
+    except BadInput as e:
+        return Verdict(f"{srv.method}: activation not read", str(e))
     name = act["hidden_act"]
     kimi_min = kimi_min_per_rank(config) if srv.family == "vllm" else 0
     mem = expert_memory(ctx.experts, topo, kimi_min)
@@ -750,7 +754,6 @@ def _kernel(ctx: _Context, topo: Topology) -> Verdict:
                        "vLLM's SiTU asserts it (fused_moe/activation.py 361-370), SGLang's SituAndMul needs it")
     if server == "vllm-rocm-plugin":
         return _plugin(config, act, mem, topo, int4, sizes, kimi_min)
-    vname, said = vllm_moe_activation(config, act)   # what the model's FusedMoE is given (issue 20)
     if server == "vllm-rocm":
         return _said(_vllm_oracle(srv, vname, mem, topo, int4, marlin=False), said)
     if server == "vllm-cuda":

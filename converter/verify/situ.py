@@ -17,8 +17,10 @@ def run(ctx: Context) -> list[Check]:
     if d.config is None:
         c.fail("no config.json: the expert activation cannot be stated")
         return [c]
-    try:
-        act = ckpt.activation(d.config, os.path.join(d.path, "config.json"))
+    mact = d.manifest.get("activation")
+    mact = mact if isinstance(mact, dict) else {}
+    try:   # the optional fields the manifest states (MiniMax swiglu_beta) are read and type-checked too
+        act = ckpt.activation(d.config, os.path.join(d.path, "config.json"), optional=tuple(mact))
     except BadInput as e:
         c.fail(str(e))
         return [c]
@@ -26,10 +28,12 @@ def run(ctx: Context) -> list[Check]:
         for k, v in act.items():
             if h.metadata.get(k) != metadata_value(v):
                 c.fail(f"{shard}: metadata {k} is {h.metadata.get(k)!r}, config says {v!r}")
-    mact = d.manifest.get("activation") or {}
     for k, v in act.items():
         if k not in mact or str(mact[k]) != str(v):
             c.fail(f"{MANIFEST}: activation.{k} is {mact.get(k)!r}, config says {v!r}")
+    for k in mact:
+        if k not in act:
+            c.fail(f"{MANIFEST}: activation.{k} is {mact[k]!r}, config.json does not state it")
     c.summary = ", ".join(f"{k}={v}" for k, v in act.items()) + \
         f" (config, {len(d.headers)} shard metadata, manifest)"
     return [c]

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from ..activation_fields import SITU_FIELDS, ActivationConflict, find as find_activation
+
 NAME = "k3convert-int4-gfx942"
 VLLM_SERIES = "0.33."                          # the vLLM the layout and kernel build were written for
 GEMM1_PARAMS = ("act", "situ_beta", "situ_linear_beta")
@@ -65,6 +67,16 @@ def size_problem(hidden: int, inter_per_rank: int) -> str | None:
         return (f"hidden size {hidden} or per-rank intermediate size {inter_per_rank} is not a multiple "
                 f"of {ALIGN}")
     return check_dims(2 * inter_per_rank, hidden) or check_dims(hidden, inter_per_rank)
+
+
+def situ_fields(hf_config: Any) -> dict[str, Any]:
+    """K3's SiTU fields where vLLM's KimiMoE reads them, by the converter's own reader
+    (converter.activation_fields); a field stated at top level beside text_config is refused: vLLM
+    would build the experts from text_config's (KimiLinearConfig's default hidden_act is silu)."""
+    try:
+        return {k: v for k, (v, _) in find_activation(hf_config, SITU_FIELDS).items()}
+    except ActivationConflict as e:
+        raise Refused(f"config.json {e}") from None
 
 
 def text_config(hf_config: Any) -> Any:
@@ -168,7 +180,7 @@ def is_k3_int4(quant_cfg: Any, user_quant: str | None, hf_config: Any) -> bool:
         return False
     if quant_cfg.get("quant_method") != "compressed-tensors" or not is_kimi_k3(hf_config):
         return False
-    return bool(int4_groups(quant_cfg)) and _get(text_config(hf_config), "hidden_act") == "situ"
+    return bool(int4_groups(quant_cfg)) and situ_fields(hf_config).get("hidden_act") == "situ"
 
 
 def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
@@ -179,6 +191,8 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
     stock vLLM serves SiTU int4 (Marlin) or has no ROCm kernel question. On ROCm a K3 int4 SiTU
     checkpoint is served by the plugin or refused in one line: stock vLLM there would dequantize it
     to bf16 (EMULATION: out of memory at K3's size) or, with --moe-backend flydsl on gfx950, compute SiLU.
+    A K3 int4 config whose SiTU fields sit at top level beside text_config is refused on every platform
+    (`situ_fields`): vLLM would build its experts from text_config's, SiLU by default.
     """
     if not is_k3_int4(quant_cfg, user_quant, hf_config):
         return None
@@ -206,7 +220,7 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
                              group.get("format", quant_cfg.get("format")))
         if why is not None:
             raise Refused(f"quantization_config.config_groups.{name}: {why}")
-    if _get(text_config(hf_config), "activation_situ_linear_beta") is None:
+    if situ_fields(hf_config).get("activation_situ_linear_beta") is None:
         raise Refused("config.json has no activation_situ_linear_beta (K3's SiTUv2 needs it)")
     return NAME
 
