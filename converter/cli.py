@@ -305,20 +305,37 @@ def demo(ctx, workdir) -> None:
                    "picks, the memory (docs/serving.md).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True,
               help="Tensor-parallel size the server will run with (with --serving).")
+@click.option("--dp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Data-parallel size, vLLM's --data-parallel-size (with --serving vllm-*).")
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Pipeline-parallel size, vLLM's --pipeline-parallel-size (with --serving vllm-*).")
+@click.option("--ep", is_flag=True,
+              help="Expert parallelism, vLLM's --enable-expert-parallel (with --serving vllm-*).")
+@click.option("--verbose", "-v", is_flag=True,
+              help="With --serving: where the server enforces each rule (file and line), and the fixes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, as_json) -> None:
+def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, dp, pp, ep, verbose, as_json) -> None:
     """Check a converted DST: every file against the manifest, checksums, structure, SiTU metadata,
     (with --source) every file against SRC and the numbers, and (with --serving) whether that
-    server's int4 MoE path will load it at --tp.
+    server's int4 MoE path will load it at --tp (--dp, --pp, --ep: the vLLM launch; docs/serving.md).
 
     Exit 0 when every check passes, 5 when one fails, 2 when DST or SRC cannot be read."""
     from .verify import verify
 
-    if tp != 1 and serving is None:
-        raise click.UsageError("--tp is used with --serving")
+    from .serving import topology
+    from .topology import Topology
+
+    if (tp != 1 or dp != 1 or pp != 1 or ep or verbose) and serving is None:
+        raise click.UsageError("--tp, --dp, --pp, --ep and --verbose are used with --serving")
+    topo = None
+    if serving:
+        try:
+            topo = topology(serving, Topology(tp, dp, pp, ep))
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
     try:
         result = verify(dst, src, None if all_ else sample, checksums=not no_checksums,
-                        serving=(serving, tp) if serving else None)
+                        serving=(serving, topo, verbose) if serving else None)
     except ConvertError as e:
         _fail(e)
     click.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.format())
@@ -353,7 +370,7 @@ def upload_cmd(dst, repo_id, private, revision, dry_run, token, verify_checksums
     """Upload a complete, verified DST to the Hub as REPO_ID, with a model card (README.md) if it has none.
 
     Resumable: run the same command again after an interruption."""
-    from .hub import upload
+    from .hub import card_preview, upload
 
     try:
         res = upload(dst, repo_id, private=private, revision=revision, dry_run=dry_run, token=token,
@@ -363,7 +380,7 @@ def upload_cmd(dst, repo_id, private, revision, dry_run, token, verify_checksums
     if dry_run:
         for path, size in res.files:
             click.echo(f"{size:>16,d}  {path}")
-    click.echo(f"README.md: {res.readme}")
+    click.echo(f"README.md: {res.readme}" + (card_preview(res.card) if dry_run and res.card else ""))
     verb = "would upload" if dry_run else f"uploaded with HfApi.{res.method}"
     click.echo(f"{verb} {len(res.files)} files, {res.total_bytes / 1e9:.3f} GB -> {repo_id}"
                + (f" (revision {revision})" if revision else ""))

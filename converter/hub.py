@@ -3,14 +3,20 @@ model card that states what a server must know (int4 g32 symmetric, the expert a
 the config states it), then upload. The card is ours: the source's README.md is kept beside it
 as README.source.md (converter.plan) and never published as the int4 model's card.
 
-The upload goes through huggingface_hub's resumable large-folder path: ``upload_large_folder``
-where the installed version has it (0.x/1.x), else ``upload_folder``, which in 2.x is that
-path (streamed, multi-commit, resumable by re-running when hf_xet is installed). Either way
-re-running the same command resumes an interrupted upload.
+The upload goes through huggingface_hub's resumable large-folder path: ``upload_folder`` where
+the installed version streams it (``huggingface_hub._upload_pipeline``: multi-commit, resumable
+by re-running when hf_xet is installed; from then on ``upload_large_folder`` is deprecated and
+prints a banner), else ``upload_large_folder`` where it exists (0.x, early 1.x), else
+``upload_folder``. Either way re-running the same command resumes an interrupted upload.
+
+While it reads DST the upload holds DST's read lock (``manifest.reading``): a run that would
+change DST (a redo, ``--overwrite``, finalize) is refused meanwhile, and an upload is refused
+while such a run holds it, so what is sent is what verify accepted.
 """
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,7 +25,7 @@ from typing import Any
 from . import __version__
 from .errors import BadInput, ConvertError, OutputError, VerifyFailed
 from .formats import checkpoint as ckpt
-from .manifest import MANIFEST, STATE_DIR, atomic_write, read_json
+from .manifest import MANIFEST, STATE_DIR, atomic_write, read_json, reading
 from .outputs import accepted, listing
 from .plan import README_SOURCE
 from .safepath import read_regular
@@ -37,6 +43,7 @@ class UploadResult:
     files: list[tuple[str, int]]      # (path in repo, bytes), what is (or would be) sent
     dry_run: bool
     readme: str                       # "written", "kept" (the user's own) or "would write"
+    card: str | None = None           # the model card written (or that would be)
     method: str | None = None         # the HfApi method used
     url: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -212,6 +219,51 @@ def _source_card(dst: str, theirs: bytes | None) -> bool:
 
 # --------------------------------------------------------------------------- upload
 
+def streams_upload_folder() -> bool:
+    """Whether the installed huggingface_hub's ``upload_folder`` is its streamed, multi-commit,
+    resumable path (``_upload_pipeline``; 1.3x on), which it then recommends over the deprecated
+    ``upload_large_folder``. Decided by what the installed code holds, not by its warning."""
+    try:
+        return importlib.util.find_spec("huggingface_hub._upload_pipeline") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def upload_method(api: Any) -> str:
+    """The HfApi method that sends a large folder resumably with the installed huggingface_hub."""
+    if streams_upload_folder() and hasattr(api, "upload_folder") or not hasattr(api, "upload_large_folder"):
+        return "upload_folder"
+    return "upload_large_folder"
+
+
+CARD_LINES = 24  # lines of the model card `upload --dry-run` shows
+
+
+def card_preview(card: str, lines: int = CARD_LINES) -> str:
+    """The first ``lines`` of the model card, indented, and how many more there are."""
+    text = card.splitlines()
+    more = f"\n    ... ({len(text) - lines} more lines)" if len(text) > lines else ""
+    return f" (the model card, {len(text)} lines):\n" + "\n".join(f"    {t}".rstrip() for t in text[:lines]) + more
+
+
+def one_line(e: BaseException, limit: int = 400) -> str:
+    """An exception's message on one line. huggingface_hub's HTTP errors span several (status,
+    a documentation link, the server's words): for them, the status, the URL and the server's message."""
+    response = getattr(e, "response", None)
+    status = getattr(response, "status_code", None)
+    if isinstance(status, int):
+        try:
+            url = f" on {response.request.method} {response.request.url}"
+        except Exception:  # a response built without its request
+            url = ""
+        said = getattr(e, "server_message", None)
+        text = f"HTTP {status} {getattr(response, 'reason_phrase', '') or ''}".rstrip() + url + (f": {said}" if said else "")
+    else:
+        text = str(e)
+    text = " ".join(text.split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _xet_available() -> bool:
     try:
         from huggingface_hub.utils._runtime import is_xet_available
@@ -226,7 +278,8 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
     """Check DST, write its model card if it has none, and upload it to ``repo_id`` (a model repo).
 
     Refuses (VerifyFailed, exit 5) unless the manifest says complete and the structural checks
-    pass. ``dry_run``: only list what would be sent; nothing is written and nothing is sent.
+    pass; OutputError (exit 4) while a run changes DST (its read lock). ``dry_run``: only list
+    what would be sent; nothing is written, nothing is sent, no lock is taken.
     """
     dst = os.path.abspath(dst)
     if not _REPO_ID.match(repo_id):
@@ -240,6 +293,19 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
     if manifest.get("complete") is not True:
         raise VerifyFailed(f"the manifest says the conversion is not complete (status {manifest.get('status')!r}): "
                            "finish it before uploading", file=dst)
+    if dry_run:  # nothing written, nothing sent: what it lists is a snapshot, no lock needed
+        return _checked(dst, manifest, repo_id, revision, True, verify_checksums, base)
+    with reading(dst):  # DST unchanged from verify to the last byte sent (S14)
+        result = _checked(dst, manifest, repo_id, revision, False, verify_checksums, base)
+        _send(result, dst, private, token, endpoint, api)
+    if private:
+        result.notes.append("an existing repository keeps its visibility: --private applies to a new one")
+    return result
+
+
+def _checked(dst: str, manifest: dict, repo_id: str, revision: str | None, dry_run: bool,
+             verify_checksums: bool, base: str | None) -> UploadResult:
+    """Verify DST and write (or, dry, compose) its card: what the upload sends, by name and size."""
     readme_path = os.path.join(dst, README)
     src = (manifest.get("source") or {}).get("path")
     theirs = _read_regular(os.path.join(src, README)) if isinstance(src, str) and src else None  # read once
@@ -248,37 +314,41 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
             os.replace(readme_path, os.path.join(dst, README_SOURCE))
         except OSError as e:
             raise OutputError(f"cannot rename README.md to {README_SOURCE}: {e.strerror}", file=dst) from None
-    verified = verify(dst, checksums=verify_checksums)
-    verified.raise_if_failed()
+    # the publishing gate: the config's selection decided by compressed-tensors' own matcher too
+    verified = verify(dst, checksums=verify_checksums, loader_matcher=True)
+    verified.raise_if_failed()  # only regular files pass (a FIFO README.md included: S16)
     files = _sized(dst, [p for p in verified.files if p != README])  # exactly what verify accepted
     card = None
-    if os.path.exists(readme_path) and not _source_card(dst, theirs):
+    if README in verified.files and not _source_card(dst, theirs):
         readme = "kept"
     else:
-        card = model_card(dst, base, repo_id).encode()
+        card = model_card(dst, base, repo_id)
         readme = "would write" if dry_run else "written"
         if not dry_run:
-            atomic_write(readme_path, card)
-    files = sorted(files + [(README, len(card) if card is not None else os.path.getsize(readme_path))])
-    result = UploadResult(repo_id, revision, files, dry_run, readme)
-    if dry_run:
-        return result
+            atomic_write(readme_path, card.encode())
+    size = len(card.encode()) if card is not None else os.path.getsize(readme_path)
+    return UploadResult(repo_id, revision, sorted(files + [(README, size)]), dry_run, readme, card)
 
+
+def _send(result: UploadResult, dst: str, private: bool, token: str | None, endpoint: str | None,
+          api: Any) -> None:
+    """Create the repository (and branch) and send exactly ``result.files``; a Hub or network
+    failure is one line (ConvertError) saying how to resume."""
     if api is None:
         from huggingface_hub import HfApi
         api = HfApi(endpoint=endpoint, token=token)
     from huggingface_hub.errors import HfHubHTTPError
-    allow = [glob.escape(p) for p, _ in files]  # by exact name: nothing verify did not accept
+    repo_id, revision = result.repo_id, result.revision
+    allow = [glob.escape(p) for p, _ in result.files]  # by exact name: nothing verify did not accept
     try:
         result.url = str(api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True))
         if revision and revision != "main":
             api.create_branch(repo_id, repo_type="model", branch=revision, exist_ok=True)
-        if hasattr(api, "upload_large_folder"):  # huggingface_hub < 2: its resumable large-folder API
-            result.method = "upload_large_folder"
+        result.method = upload_method(api)
+        if result.method == "upload_large_folder":  # before the streamed upload_folder: its resumable path
             api.upload_large_folder(repo_id=repo_id, folder_path=dst, repo_type="model", revision=revision,
                                     private=private, allow_patterns=allow, ignore_patterns=IGNORE)
-        else:  # huggingface_hub >= 2: upload_folder is the resumable multi-commit path (with hf_xet)
-            result.method = "upload_folder"
+        else:
             if not _xet_available():
                 result.notes.append("hf_xet is not installed (or HF_HUB_DISABLE_XET is set): upload_folder made a "
                                     "single commit, which does not resume; `pip install hf_xet` for large uploads")
@@ -289,7 +359,5 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
         network = type(e).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3")
         if not (isinstance(e, (HfHubHTTPError, OSError, ValueError)) or network):
             raise
-        raise ConvertError(f"upload to {repo_id} failed: {e}. Run the same command again to resume") from None
-    if private:
-        result.notes.append("an existing repository keeps its visibility: --private applies to a new one")
-    return result
+        raise ConvertError(f"upload to {repo_id} failed: {one_line(e)}. Run the same command again to resume") \
+            from None

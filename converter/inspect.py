@@ -62,7 +62,10 @@ def _detect(blocks: list[tuple[tuple[str, ...], dict]], has_manifest: bool) -> t
 
 
 def _situ(config: dict) -> dict[str, Any]:
-    return {k: {"value": v, "where": w} for k, (v, w) in ckpt.activation_fields(config).items()}
+    try:
+        return {k: {"value": v, "where": w} for k, (v, w) in ckpt.activation_fields(config).items()}
+    except BadInput as e:   # stated where the model does not read it: inspect shows why, the plan refuses it
+        return {"refused": {"value": str(e), "where": "config.json"}}
 
 
 def _shard_file(path: str) -> dict[str, Any]:

@@ -163,22 +163,6 @@ def file_fingerprint(path: str, edge: int = 1 << 20) -> dict[str, Any]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "edge_blake2b": h.hexdigest()}
 
 
-def source_fingerprint(path: str) -> dict[str, Any]:
-    """A source file's identity for resume: ``file_fingerprint`` plus what a user cannot put back.
-
-    An in-place edit (any write) sets the file's ctime to now, and restoring the mtime with
-    ``touch -d``/``utime`` sets it again; a replaced file has another inode. So a change that keeps
-    size, mtime and the first and last MiB is still seen, at the cost of one ``fstat`` (a chmod, or
-    a copy of SRC elsewhere, also counts as a change: resume then refuses, ``--overwrite`` redoes).
-    """
-    fp = file_fingerprint(path)
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise OutputError(f"cannot read: {e.strerror}", file=path) from None
-    return {**fp, "dev": st.st_dev, "inode": st.st_ino, "ctime_ns": st.st_ctime_ns}
-
-
 def rows_bytes(rows: list[dict]) -> bytes:
     """A figure table as zstd-compressed JSON lines: ~10x smaller for 250k tensors."""
     raw = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows).encode()
@@ -249,7 +233,36 @@ class ShardLocks:
 IDENTITY_LOCK = "identity.lock"  # held (briefly, exclusively) to read, compare, write run.json and claim shards
 RUN_LOCK = "run.lock"            # held shared by every run using DST, for as long as it does
 MANIFEST_LOCK = "manifest.lock"  # held exclusively to rewrite the manifest (finalize, a redo's reopening)
-LOCKS = (IDENTITY_LOCK, RUN_LOCK, MANIFEST_LOCK)  # never deleted (--overwrite): others may wait on them
+READ_LOCK = "read.lock"          # shared by an upload while it reads DST, exclusive while a run changes it
+LOCKS = (IDENTITY_LOCK, RUN_LOCK, MANIFEST_LOCK, READ_LOCK)  # never deleted (--overwrite): others may wait on them
+
+
+def _read_lock(dst: str, how: int, busy: str):
+    """``read.lock`` of DST taken ``how`` without waiting (a file object: closing releases it);
+    OutputError (exit 4) with ``busy`` when the other side holds it. A complete DST is changed
+    only by a redo (``_reopen``), ``--overwrite`` or finalize: each takes it exclusively, an
+    upload takes it shared for as long as it reads, so neither waits hours on the other."""
+    state = os.path.join(dst, STATE_DIR)
+    if os.path.islink(state):
+        raise OutputError(f"{STATE_DIR} is a symlink: refusing to lock through it", file=dst)
+    os.makedirs(state, exist_ok=True)
+    f = lock_file(os.path.join(state, READ_LOCK))
+    if not _flock(f, how | fcntl.LOCK_NB):
+        f.close()
+        raise OutputError(busy, file=dst)
+    return f
+
+
+def reading(dst: str):
+    """Hold DST unchanged while it is read (upload): shared with other readers."""
+    return _read_lock(dst, fcntl.LOCK_SH, "a k3convert run is changing it (a redo, --overwrite or finalize): "
+                                          "upload it when that run has finished")
+
+
+def writing(dst: str):
+    """Keep readers (upload) out while DST is changed."""
+    return _read_lock(dst, fcntl.LOCK_EX, f"an upload of it is in progress (it holds {STATE_DIR}/{READ_LOCK}): "
+                                          "run again when the upload has finished")
 
 
 class DstLock:

@@ -29,7 +29,7 @@ from .formats import checkpoint as ckpt
 from .formats.dialect import TARGET_FORMAT
 from .manifest import (LOCKS, MANIFEST, MANIFEST_LOCK, REPORT, RUN_LOCK, STATE_DIR, TENSOR_TABLE, DstLock, ShardLocks,
                        commit, copy_current, discard, file_fingerprint, json_bytes, read_json, read_rows, rows_bytes,
-                       stage, stage_copy, state_file, write_json, write_rows)
+                       stage, stage_copy, state_file, write_json, write_rows, writing)
 from .outputs import expected
 from .profiles import MAX_EXPERTS
 from .sources import config_identity, content_change, hint, profile_argument, profile_identity, shard_identity
@@ -294,7 +294,8 @@ def _reopen(dst: str) -> None:
     kill during the redo cannot leave a "complete" manifest with a shard missing."""
     with lock_file(_state(dst, MANIFEST_LOCK)) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        _reset_complete(dst)
+        with writing(dst):  # an upload reading DST is never given a half-redone one (S14)
+            _reset_complete(dst)
 
 
 DERIVED = (ckpt.INDEX, "config.json", REPORT, TENSOR_TABLE)  # written by finalize from the shard records
@@ -376,7 +377,8 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
             if not lock.alone():
                 raise OutputError(f"holds a different conversion ({what}) that another k3convert run is using "
                                   f"(recorded by {_named(old)}): refusing to replace it", file=dst)
-            _wipe(dst)
+            with writing(dst):
+                _wipe(dst)
             old = None
         if lock.alone():
             _clean_temporaries(dst)
@@ -627,7 +629,8 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
             if what is not None:
                 raise OutputError(f"holds a conversion that no longer matches ({what}), recorded by "
                                   f"{_named(run)}: rerun mxfp4-to-int4 (--overwrite to start again)", file=dst)
-            return _finalize_locked(dst, plan, options, run, t0)
+            with writing(dst):
+                return _finalize_locked(dst, plan, options, run, t0)
 
 
 def _makedirs(path: str) -> None:

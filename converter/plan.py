@@ -20,8 +20,8 @@ from . import __version__, profiles
 from .errors import BadInput
 from .formats import checkpoint as ckpt
 from .formats.checkpoint import PACKED, SCALE, SHAPE
-from .formats.safetensors_io import Header, Layout, OutTensor, TensorInfo, read_header
-from .safepath import regular_problem, source_file, source_roots
+from .formats.safetensors_io import MAX_HEADER, Header, Layout, OutTensor, TensorInfo, read_header
+from .safepath import _within as within, regular_problem, source_file, source_roots
 from .quant.rules import DEFAULT as DEFAULT_RULE
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -317,16 +317,67 @@ def _read_headers(src: str, by_shard: dict[str, list[str]], roots: tuple[str, ..
     return headers
 
 
+def name_problem(name: str) -> str | None:
+    """Why a side file or folder name cannot be published, or None: the Hub holds UTF-8 names only
+    (a name of other bytes converts and verifies, then the upload fails), and a control character
+    would break the one-line messages and the listing."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "its name is not valid UTF-8: the Hub cannot hold it (upload would fail); rename it"
+    if not name.isprintable():
+        return "its name holds a control character: rename it"
+    return None
+
+
+def shown(path: str) -> str:
+    """A path for a one-line message: undecodable bytes as \\xNN escapes, control characters escaped."""
+    text = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return text if text.isprintable() else ascii(text)[1:-1]
+
+
+def _linked_folder_problem(src: str, d: str, name: str, roots: tuple[str, ...]) -> str | None:
+    """A link to a folder inside SRC is walked, its files copied as regular files under the link's
+    name (docs/decisions.md); one that leads outside SRC, or to a folder it lies in (a loop), is refused."""
+    path = os.path.join(d, name)
+    real = os.path.realpath(path)
+    if not any(within(real, r) for r in roots):
+        return f"file {shown(path)}: a link to the folder {shown(real)}, outside the checkpoint directory: refusing to read it"
+    rel, above = os.path.relpath(d, src), [src]
+    for part in ([] if rel == "." else rel.split(os.sep)):
+        above.append(os.path.join(above[-1], part))
+    if real in {os.path.realpath(p) for p in above}:
+        return f"file {shown(path)}: a link to a folder it lies in (a loop): refusing to walk it; remove the link"
+    return None
+
+
 def _other_files(src: str, skip: set[str], roots: tuple[str, ...], problems: list[str]) -> list[str]:
-    """Side files (tokenizer, chat template, remote code) to copy; each must lie inside SRC."""
+    """Side files (tokenizer, chat template, remote code) to copy; each must lie inside SRC and have a
+    name the Hub can hold. Links to folders inside SRC are followed (their files copied as regular files)."""
     found = []
-    for d, dirs, files in os.walk(src):
-        dirs[:] = sorted(x for x in dirs if not x.startswith("."))  # .cache (HF downloads), .git
+    for d, dirs, files in os.walk(src, followlinks=True):
+        keep = []
+        for x in sorted(dirs):
+            if x.startswith("."):  # .cache (HF downloads), .git
+                continue
+            path = os.path.join(d, x)
+            why = name_problem(x)
+            why = why and f"folder {shown(path)}: {why}"
+            if why is None and os.path.islink(path):
+                why = _linked_folder_problem(src, d, x, roots)
+            if why:
+                problems.append(why)
+            else:
+                keep.append(x)
+        dirs[:] = keep
         for f in sorted(files):
             rel = os.path.relpath(os.path.join(d, f), src)
             if rel in skip or f.startswith(OWN_PREFIX) or f.startswith("."):
                 continue
             path = os.path.join(src, rel)
+            if why := name_problem(f):
+                problems.append(f"file {shown(path)}: {why}")
+                continue
             try:
                 source_file(src, rel, roots)
             except BadInput as e:
@@ -344,6 +395,18 @@ def _other_files(src: str, skip: set[str], roots: tuple[str, ...], problems: lis
     return found
 
 
+def _header_problem(sp: ShardPlan) -> str | None:
+    """An output header over safetensors' limit (the exact bytes the writer will write, fixed by the
+    plan): safe_open would refuse the shard. Converting adds a third tensor per module and the
+    activation metadata, so a source header just under the limit can end over it."""
+    n = len(sp.layout.header) - 8
+    if n <= MAX_HEADER:
+        return None
+    return (f"file {sp.path}: the converted shard's header would be {n:,} bytes (the source's is "
+            f"{sp.header_bytes - 8:,}), over safetensors' limit of {MAX_HEADER:,}: safe_open would refuse it; "
+            "split this shard into smaller ones (fewer tensors or less metadata) and convert again")
+
+
 def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool = False) -> Plan:
     """Check the whole source and plan the conversion, or raise BadInput listing every problem."""
     src = os.path.abspath(src)
@@ -354,9 +417,7 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     config = ckpt.load_json(config_path)  # a FIFO is refused, never waited on (json_input.load_file)
     prof, why = profiles.choose(config, ckpt.dialect(config, config_path), profile, config_path)
     source = ckpt.mxfp4_source(config, config_path, drop_activation_quant, prof.source)
-    act = ckpt.activation(config, config_path, prof.required_activation)
-    act.update({k: v for k, (v, _) in ckpt.activation_fields(config, prof.optional_activation).items()
-                if k in prof.optional_activation})
+    act = ckpt.activation(config, config_path, prof.required_activation, prof.optional_activation)
     wm = ckpt.weight_map(src)
     problems: list[str] = []
     by_shard: dict[str, list[str]] = {}
@@ -372,6 +433,7 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
             else:
                 tensors[name] = t
     source = source.seen(tensors)
+    problems += source.tensor_problems(tensors)
     converts = _pair(tensors, source, problems, {n for n, shard in wm.items() if shard not in headers})
     if prof.experts_only:
         problems += [f"file {c.packed.path}, tensor {c.packed.name}: MXFP4, but profile {prof.name!r} converts "
@@ -383,6 +445,8 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     if expected is not None and not problems:  # what the other checks cannot see: an index that lacks modules
         problems += profiles.inventory_problems(
             expected, {m: (c.rows, c.cols) for m, c in converts.items()}, wm)
+        if extra := profiles.unexpected_modules(prof, config, expected, converts):   # and one that holds more
+            problems.append(profiles.extras_problem(prof, expected, extra, lambda m: converts[m].packed))
 
     by_packed: dict[str, list[Convert]] = {}
     for c in converts.values():
@@ -396,6 +460,8 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
         items.sort(key=lambda x: x[0])
         shards.append(ShardPlan(shard, h.path, h.file_size, h.data_start, [it for _, it in items],
                                 shard_metadata(h.metadata, act, what)))
+        if too_big := _header_problem(shards[-1]):
+            problems.append(too_big)
     if not problems and not converts:
         problems.append(f"directory {src}: the quantization config selects no {source.packed_suffix}/"
                         f"{source.scale_suffix} pair")

@@ -9,6 +9,8 @@ recorded in the manifest.
 from __future__ import annotations
 
 import os
+import re
+import string
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +116,7 @@ def _inventory(inv: Any, path: str) -> dict[str, Any] | None:
              and isinstance(inv.get("layer_count", ""), str)) \
         and isinstance(shapes, dict) and bool(shapes) \
         and all(_keys(d, 2) for d in shapes.values())
+    ok = ok and isinstance(inv.get("mtp_layers", ""), str) and ("mtp_layers" not in inv or "layers" in inv)
     try:
         ok = ok and bool(inv["module"].format(layer=0, expert=0, proj="w"))
     except (KeyError, IndexError, ValueError):
@@ -122,7 +125,8 @@ def _inventory(inv: Any, path: str) -> dict[str, Any] | None:
         raise BadInput("[inventory] needs module (a name with {layer}, {expert}, {proj}), layers (two config "
                        "keys) or layer_mask (a config key: one 0/1 per layer, 1 = MoE; optional layer_count: the key whose "
                        "layers are all MoE when config.json has no mask), experts (a config key) and "
-                       "[inventory.shapes] (proj = [out key, in key])", file=path)
+                       "[inventory.shapes] (proj = [out key, in key]); optional mtp_layers (a config key: layers after "
+                       "layers' end that may hold the draft's experts, with layers only)", file=path)
     return inv
 
 
@@ -203,6 +207,58 @@ def expected_modules(profile: Profile, config: dict) -> dict[str, tuple[int, int
                        f"layers x {experts} experts x {len(shapes)}): more than {MAX_MODULES:,}, not a real model")
     return {inv["module"].format(layer=layer, expert=e, proj=proj): shape
             for layer in layers for e in range(experts) for proj, shape in shapes.items()}
+
+
+def module_pattern(profile: Profile) -> re.Pattern[str]:
+    """The inventory's module name as a pattern: {layer} and {expert} numbers, {proj} one of its projections."""
+    inv = profile.inventory or {}
+    fields = {"layer": r"(?P<layer>\d+)", "expert": r"(?P<expert>\d+)",
+              "proj": "(?:" + "|".join(re.escape(p) for p in inv.get("shapes", {})) + ")"}
+    out = ""
+    for text, name, _, _ in string.Formatter().parse(inv.get("module", "")):
+        out += re.escape(text) + (fields.get(name, re.escape("{" + name + "}")) if name is not None else "")
+    return re.compile(out)
+
+
+def unexpected_modules(profile: Profile, config: dict, expected: dict[str, Any], found: Any) -> list[str]:
+    """Converted modules named like the inventory's experts that the config does not describe (a layer
+    it does not make MoE, an expert number past its count): a server builds no parameter for them.
+
+    Layers [end, end + ``mtp_layers``), ``end`` the second of ``layers``, are let through, neither required nor refused: vLLM's K3
+    draft builds its MoE layers there (models/kimi_k3/amd/mtp.py 124-135). Only names missing
+    from ``expected`` are matched, so a checkpoint the config describes costs no pattern match."""
+    inv = profile.inventory
+    if not inv:
+        return []
+    pattern, mtp = module_pattern(profile), range(0)
+    if inv.get("mtp_layers"):
+        try:
+            n = lookup(config, inv["mtp_layers"])
+        except KeyError:
+            n = 0   # KimiLinearConfig's default num_nextn_predict_layers (configs/kimi_linear.py 49)
+        if type(n) is not int or not 0 <= n <= MAX_LAYERS:
+            raise BadInput(f"profile {profile.name!r}: config.json {inv['mtp_layers']} is {str(n)[:40]}, expected "
+                           f"an integer in [0, {MAX_LAYERS:,}]")
+        end = lookup(config, inv["layers"][1])   # checked by expected_modules
+        mtp = range(end, end + n)
+    out = []
+    for module in found:
+        if module in expected:
+            continue
+        m = pattern.fullmatch(module)
+        if m and int(m.group("layer")) not in mtp:
+            out.append(module)
+    return out
+
+
+def extras_problem(profile: Profile, expected: dict[str, Any], extra: list[str], packed: Any) -> str:
+    """One line for converted modules the config does not describe: the first by file and tensor, the count."""
+    inv = profile.inventory or {}
+    keys = list(inv.get("layers") or [inv.get("layer_mask"), inv.get("layer_count")]) + [inv.get("experts")]
+    first = packed(extra[0])
+    return (f"file {first.path}, tensor {first.name}: config.json does not describe this expert matrix "
+            f"({', '.join(k for k in keys if k)} give {len(expected):,}; the checkpoint holds {len(extra):,} more): "
+            f"a server builds no parameter for it; correct config.json or remove the extra experts")
 
 
 def _has(config: dict, key: str) -> bool:

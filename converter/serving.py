@@ -24,7 +24,10 @@ from .errors import BadInput
 from .formats import checkpoint as ckpt
 from .formats.dialect import is_fp8_block_group
 from .formats.safetensors_io import TensorInfo, read_header
+from .loaders import refusals as loader_refusals
 from .plan import PACKED, SCALE
+from .topology import WHERE as SPLIT_WHERE
+from .topology import Topology, local_experts, pp_stages
 from .vllm_plugin import route as plugin_route
 
 
@@ -185,12 +188,13 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          _both(f"{V_WNA16}.create_weights 255: num_groups_w13 = hidden_size // group_size",
                f"{S_WNA16}.create_weights 159: num_groups_w13 = hidden_size // group_size"),
          f"the experts' hidden (input) size must be a multiple of {GROUP}"),
-    Rule("tp-intermediate", f"intermediate size divisible by TP, per-rank size a multiple of {GROUP}",
-         _both(f"{V}fused_moe/config.py 1352: assert intermediate_size % tp_size == 0; {V_WNA16}.create_weights "
+    Rule("tp-intermediate", f"intermediate size divisible by the MoE's TP, per-rank size a multiple of {GROUP}",
+         _both(f"{V}fused_moe/config.py 1352: assert intermediate_size % tp_size == 0 (the MoE's tp_size: dp*tp "
+               f"without EP, 1 with EP, 1211-1245); {V_WNA16}.create_weights "
                f"254: num_groups_w2 = intermediate_size_per_partition // group_size",
                f"{S_LAYER} 427: assert intermediate_size % moe_tp_size == 0; {S_WNA16} 158: "
                f"num_groups_w2 = intermediate_size_per_partition // group_size"),
-         "use a TP size that fits, or expert parallelism (which does not split experts)"),
+         "use a TP size that fits, or expert parallelism (--ep: whole experts per rank)"),
     Rule("config-sizes", "config's MoE sizes match the tensors",
          _both(f"{V}models/kimi_k3/amd/linear.py 207-221: FusedMoE sized from moe_intermediate_size and "
                f"routed_expert_hidden_size (else hidden_size), then copy_",
@@ -199,17 +203,25 @@ RULES: dict[str, Rule] = {r.id: r for r in (
     Rule("kernel", "a MoE kernel that takes the experts' activation, at int4 memory", KERNEL_WHERE,
          "for SiTU experts: on gfx942 serve with k3convert's vLLM plugin (vllm-rocm-plugin: hidden and "
          "per-rank intermediate sizes multiples of 128), on CUDA with vLLM (vllm-cuda)"),
+    Rule("loader", "the model's vLLM loader accepts the config at this topology",
+         _both("the model's classes, per model type (converter/loaders.py LOADERS cites each line)",
+               "not modelled: SGLang's model loaders were not read"),
+         "choose a TP size the model's loader accepts (the TP sizes that pass are listed)"),
 )}
+# the rules whose outcome depends on the topology (the TP sizes that pass are found by re-running these)
+TOPOLOGY_RULES = ("tp-intermediate", "kernel", "loader")
 
 
 @dataclass(frozen=True)
 class RuleResult:
-    """The outcome of one rule. ``message``: for a failure, one line naming the rule and the fix."""
+    """The outcome of one rule. ``message``: for a failure, one short line naming the rule and what
+    is wrong; ``detail``: where each server enforces it (file and line) and the fix (``--verbose``)."""
 
     rule: str
     ok: bool
     message: str
     note: str = ""     # worth saying on a pass (not a failure)
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -247,43 +259,102 @@ def load(dst: str) -> tuple[dict | None, dict[str, TensorInfo]]:
     return config, tensors
 
 
-def check_serving(dst: str, server: str, tp: int) -> list[RuleResult]:
-    """Every rule of ``server``'s int4 MoE path at tensor parallelism ``tp``, against DST."""
+def check_serving(dst: str, server: str, tp: int | Topology) -> list[RuleResult]:
+    """Every rule of ``server``'s int4 MoE path at ``tp`` (a TP size, or a whole Topology), against DST."""
     config, tensors = load(dst)
     return evaluate(config, tensors, server, tp)
 
 
 # ------------------------------------------------------------------------ the rules
 
-def evaluate(config: dict | None, tensors: Mapping[str, TensorInfo], server: str, tp: int) -> list[RuleResult]:
-    """Pure: the rule results for a config and the shards' header entries (name -> info)."""
+Problem = tuple[str, str]     # (one short line, the long why: source lines, figures)
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What the headers and config say, computed once; the topology rules are re-run against it."""
+
+    config: dict | None
+    mats: list["_Matrix"]
+    sizes: dict[str, tuple[int, int]]
+    experts: "Experts"
+    fixed: dict[str, list[Problem]]     # the rules that do not depend on the topology
+    server: str
+
+    @property
+    def family(self) -> str:
+        return SERVER_INFO[self.server].family
+
+
+def topology(server: str, tp: int | Topology) -> Topology:
+    """``tp`` as a Topology; DP, PP and EP are modelled for vLLM only (SGLang's split was not read)."""
     if server not in SERVERS:
         raise ValueError(f"unknown server {server!r}; one of {', '.join(SERVERS)}")
-    if tp < 1:
-        raise ValueError(f"tp must be >= 1, got {tp}")
+    topo = tp if isinstance(tp, Topology) else Topology(tp)
+    if SERVER_INFO[server].family != "vllm" and (topo.dp > 1 or topo.pp > 1 or topo.ep):
+        raise ValueError(f"--dp, --pp and --ep are modelled for the vllm-* servers only, not {server}")
+    return topo
+
+
+def _context(config: dict | None, tensors: Mapping[str, TensorInfo], server: str) -> _Context:
+    topology(server, 1)
     mats = _matrices(tensors)
     dtype = model_dtype(config)
     sizes, shape_problems = _layer_sizes(mats)
-    found: dict[str, list[str]] = {rid: [] for rid in RULES}
+    fixed: dict[str, list[Problem]] = {rid: [] for rid in RULES}
     for rid, problem in [*_config_problems(config), *_tensor_problems(mats, DTYPES.get(dtype, dtype.upper())),
                          *_name_problems(mats, config), *(("expert-shapes", p) for p in shape_problems),
-                         *_size_problems(sizes, config, tp),
+                         *_size_problems(sizes, config),
                          *(("names", p) for p in lookup_problems(config, sizes, SERVER_INFO[server].family))]:
-        found[rid].append(problem)
-    verdict = kernel(server, config, mats, sizes, tp)
+        fixed[rid].append((problem, ""))
+    return _Context(config, mats, sizes, experts_of(mats, sizes, config), fixed, server)
+
+
+def evaluate(config: dict | None, tensors: Mapping[str, TensorInfo], server: str,
+             tp: int | Topology) -> list[RuleResult]:
+    """Pure: the rule results for a config and the shards' header entries (name -> info) at ``tp``."""
+    topo = topology(server, tp)
+    return _evaluate(_context(config, tensors, server), topo)
+
+
+def _topology_problems(ctx: _Context, topo: Topology) -> tuple[dict[str, list[Problem]], "Verdict"]:
+    """The rules that depend on the topology, at ``topo``, and the kernel verdict."""
+    found: dict[str, list[Problem]] = {rid: [] for rid in TOPOLOGY_RULES}
+    found["tp-intermediate"] += _split_problems(ctx, topo)
+    verdict = _kernel(ctx, topo)
     if verdict.problem:
-        found["kernel"].append(verdict.problem)
-    notes = {"names": class_target_note(config, SERVER_INFO[server].family), "kernel": verdict.summary}
-    return [_result(RULES[rid], server, problems, notes.get(rid) or "") for rid, problems in found.items()]
+        found["kernel"].append((verdict.problem, verdict.detail))
+    if ctx.family == "vllm":
+        found["loader"] += loader_refusals(ctx.config, topo)
+    return found, verdict
 
 
-def _result(rule: Rule, server: str, problems: list[str], note: str = "") -> RuleResult:
+def _evaluate(ctx: _Context, topo: Topology) -> list[RuleResult]:
+    moving, verdict = _topology_problems(ctx, topo)
+    notes = {"names": class_target_note(ctx.config, ctx.family), "kernel": verdict.summary}
+    return [_result(RULES[rid], ctx.server, ctx.fixed[rid] + moving.get(rid, []), notes.get(rid) or "")
+            for rid in RULES]
+
+
+def passing_tp(ctx: _Context, topo: Topology, limit: int = 64) -> list[int] | None:
+    """The TP sizes up to ``limit`` at which every rule passes with topo's DP, PP and EP, found by
+    running the topology rules at each; None when a rule that no TP size changes fails."""
+    if any(ctx.fixed.values()):
+        return None
+    return [t for t in range(1, limit + 1)
+            if not any(_topology_problems(ctx, topo.with_tp(t))[0].values())]
+
+
+def _result(rule: Rule, server: str, problems: list[Problem], note: str = "") -> RuleResult:
     if not problems:
         return RuleResult(rule.id, True, f"rule {rule.id}: {note if rule.id == 'kernel' else rule.what}",
                           note if rule.id != "kernel" else "")
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return RuleResult(rule.id, False,
-                      f"rule {rule.id}: {problems[0]}{more} ({server}: {rule.where[server]}): {rule.fix}")
+    if len(problems) > 1:   # every one, each with its source, under --verbose
+        why = "; ".join(dict.fromkeys(f"{p} ({d})" if d else p for p, d in problems))
+    else:
+        why = problems[0][1]
+    return RuleResult(rule.id, False, f"rule {rule.id}: {problems[0][0]}{more}", detail=why)
 
 
 def model_dtype(config: dict | None) -> str:
@@ -433,12 +504,7 @@ def _config_size(config: dict | None, *keys: str) -> tuple[str, int] | None:
     return None
 
 
-def fitting_tp(inter: int, limit: int = 64) -> list[int]:
-    """TP sizes up to ``limit`` at which every rank holds whole groups of the intermediate dim."""
-    return [t for t in range(1, limit + 1) if inter % t == 0 and (inter // t) % GROUP == 0]
-
-
-def _size_problems(sizes: dict[str, tuple[int, int]], config: dict | None, tp: int) -> list[tuple[str, str]]:
+def _size_problems(sizes: dict[str, tuple[int, int]], config: dict | None) -> list[tuple[str, str]]:
     """Sizes from the tensor shapes (the truth), checked per distinct (intermediate, hidden)."""
     out = []
     cfg_inter = _config_size(config, "moe_intermediate_size")
@@ -449,17 +515,29 @@ def _size_problems(sizes: dict[str, tuple[int, int]], config: dict | None, tp: i
         if hidden % GROUP:
             out.append(("hidden-group", f"expert hidden size {hidden} (in-dim of w1/w3, {src}) "
                                         f"is not a multiple of group size {GROUP}"))
-        if inter % tp or (inter // tp) % GROUP:
-            per = f"{inter}/{tp}={inter / tp:g}"
-            fits = ", ".join(map(str, fitting_tp(inter))) or "none"
-            out.append(("tp-intermediate", f"per-rank intermediate size {per} ({src}) is not "
-                                           f"a multiple of group size {GROUP} at --tp {tp}; TP sizes that fit: {fits}"))
         if cfg_inter and cfg_inter[1] != inter:
             out.append(("config-sizes", f"config {cfg_inter[0]} is {cfg_inter[1]}, but the experts' "
                                         f"intermediate size is {inter} ({src})"))
         if cfg_hidden and cfg_hidden[1] != hidden:
             out.append(("config-sizes", f"config {cfg_hidden[0]} is {cfg_hidden[1]}, but the experts' "
                                         f"hidden size is {hidden} ({src})"))
+    return out
+
+
+def _split_problems(ctx: "_Context", topo: Topology) -> list[Problem]:
+    """vLLM's FusedMoEConfig asserts intermediate_size % tp_size == 0 for the MoE's tp_size (dp*tp
+    without EP, 1 with EP), and the scales need whole groups per rank. For Kimi on vLLM the size
+    split is KimiMoE's, padded (models/kimi_k3/amd/linear.py 227-236)."""
+    out = []
+    kimi_min = kimi_min_per_rank(ctx.config) if ctx.family == "vllm" else 0
+    moe_tp = topo.moe_tp if ctx.family == "vllm" else topo.tp
+    for (inter, _), layers in _by_size(ctx.sizes).items():
+        fused = kimi_fused(inter, topo.tp, kimi_min)
+        if fused % moe_tp or (fused // moe_tp) % GROUP:
+            per = f"{fused}/{moe_tp}={fused / moe_tp:g}"
+            out.append((f"per-rank intermediate size {per} is not whole groups of {GROUP} at MoE TP {moe_tp}",
+                        f"MoE TP {moe_tp} at {topo.text()} ({SPLIT_WHERE['ep' if topo.ep_on else 'tp']}); "
+                        f"{len(layers)} MoE layer(s) of intermediate {inter} (tensor shapes)"))
     return out
 
 
@@ -501,11 +579,13 @@ def lookup_problems(config: dict | None, sizes: Mapping[str, tuple[int, int]], f
         ignore = [i for i in block.get("ignore") or [] if isinstance(i, str)]
         for layer in sorted(sizes):
             whys = [_selects(f"{layer}.0.{p}", MOE_CLASS[family], targets, ignore) for p in SCHEMES["proj"]]
+            short = "…" + layer.rsplit(".", 1)[-1]      # the layer is named in the detail (--verbose)
             if all(whys):
-                out.append(f"{ckpt.dotted(path)}: {whys[0]}: the layer's experts load unquantized")
+                out.append(f"{ckpt.dotted(path)}: {whys[0].replace(layer, short)}: the layer's experts load "
+                           f"unquantized")
             elif any(whys):
-                out.append(f"{ckpt.dotted(path)}: {next(w for w in whys if w)}, but not the other projections: "
-                           f"the server raises 'All MoE projections need to have same quantization scheme'")
+                out.append(f"{ckpt.dotted(path)}: {next(w for w in whys if w).replace(layer, short)}, but not the "
+                           f"other projections: mixed schemes, ValueError at load")
     return out
 
 
@@ -535,43 +615,107 @@ def _nbytes(info) -> int:
     return n
 
 
+_LAYER_NO = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The routed experts as the headers give them, all ranks together, per MoE layer: expert count
+    and bytes (int4 + scales as stored; bf16 dequantized), and the model's decoder layer count."""
+
+    sizes: Mapping[str, tuple[int, int]]
+    count: Mapping[str, int]
+    int4: Mapping[str, int]
+    bf16: Mapping[str, int]
+    num_layers: int
+
+
+def experts_of(mats: list["_Matrix"], sizes: Mapping[str, tuple[int, int]], config: dict | None) -> Experts:
+    """One pass over the headers (K3: 247,296 matrices); the per-topology figures are then per layer."""
+    ids: dict[str, set[int]] = {}
+    int4: dict[str, int] = {}
+    bf16: dict[str, int] = {}
+    for m in mats:
+        p, shape = m.expert, m.shape
+        if p is None or p[0] not in sizes or shape is None:
+            continue
+        ids.setdefault(p[0], set()).add(p[1])
+        int4[p[0]] = int4.get(p[0], 0) + _nbytes(m.packed) + (_nbytes(m.scale) if m.scale is not None else 0)
+        bf16[p[0]] = bf16.get(p[0], 0) + shape[0] * shape[1] * 2
+    stated = _config_size(config, "num_hidden_layers")
+    numbers = [int(g[1]) for layer in sizes if (g := _LAYER_NO.search(layer))]
+    layers = stated[1] if stated else max(numbers, default=0) + 1
+    return Experts(dict(sizes), {k: len(v) for k, v in ids.items()}, int4, bf16, max(layers, 1))
+
+
 @dataclass(frozen=True)
 class Memory:
-    """The routed experts' bytes per rank: as stored (int4 + scales) and dequantized to bf16."""
+    """The routed experts' bytes on the fullest rank: as stored (int4 + scales) and dequantized to bf16."""
 
     int4: int
     bf16: int
-    layers: int
+    layers: int              # MoE layers on that rank (its pipeline stage)
+    all_layers: int
+    local: int               # experts a rank holds (of the largest layer)
+    experts: int
+    per_rank_inter: int      # intermediate channels a rank holds per expert (KimiMoE's padding included)
+    inter: int
+    padded: bool = False     # KimiMoE padded the intermediate dim
 
-    def text(self, tp: int) -> str:
-        return (f"{self.bf16 / 1e9:.3g} GB per rank of routed experts over {self.layers} MoE layer(s) at --tp {tp} "
-                f"(int4 as stored: {self.int4 / 1e9:.3g} GB)")
+    def text(self) -> str:
+        return f"{self.bf16 / 1e9:.3g} GB per rank bf16 (int4 as stored: {self.int4 / 1e9:.3g} GB)"
+
+    def split(self) -> str:
+        """What a rank holds, in one phrase."""
+        pad = " (padded)" if self.padded else ""
+        return (f"{self.local}/{self.experts} experts x {self.per_rank_inter}{pad} of {self.inter} intermediate, "
+                f"{self.layers}/{self.all_layers} MoE layers")
 
 
-def expert_memory(mats: list["_Matrix"], sizes: Mapping[str, tuple[int, int]], tp: int,
-                  kimi_min: int = 0) -> Memory:
-    """From the headers: each MoE layer's expert tensors, split over ``tp`` along the intermediate
-    dim (all experts on every rank). ``kimi_min``: vLLM's KimiMoE pads the per-rank intermediate
-    up to this at TP > 1 (models/kimi_k3/amd/linear.py 227-236), and the padding is stored too."""
-    int4, bf16 = 0.0, 0.0
-    for m in mats:
-        p = m.expert
-        shape = m.shape
-        if p is None or p[0] not in sizes or shape is None:
+def kimi_fused(inter: int, tp: int, minimum: int) -> int:
+    """The intermediate size vLLM's KimiMoE gives its FusedMoE: ``minimum * tp`` when inter / tp is
+    below ``minimum`` at TP > 1 (models/kimi_k3/amd/linear.py 227-236, the TP group only), else inter."""
+    padded = plugin_route.kimi_padded(inter, tp, minimum) if minimum else None
+    return padded[1] * tp if padded else inter
+
+
+def expert_memory(experts: Experts, topo: Topology, kimi_min: int = 0) -> Memory:
+    """The fullest rank's routed experts: EP deals whole experts over dp*tp ranks, else the MoE's TP
+    (dp*tp) splits each expert's intermediate dim; PP gives each stage its layers (topology.py)."""
+    stages = pp_stages(experts.num_layers, topo.pp)
+    totals = [[0.0, 0.0, 0] for _ in stages]
+    local = n = per_rank = inter_max = 0
+    padded = False
+    for layer, (inter, _) in sorted(experts.sizes.items()):
+        if layer not in experts.count:
             continue
-        inter = sizes[p[0]][0]
-        share = (plugin_route.kimi_per_rank(inter, tp, kimi_min) if kimi_min else inter / tp) / inter
-        int4 += (_nbytes(m.packed) + (_nbytes(m.scale) if m.scale is not None else 0)) * share
-        bf16 += shape[0] * shape[1] * 2 * share
-    return Memory(round(int4), round(bf16), len(sizes))
+        g = _LAYER_NO.search(layer)
+        stage = next((i for i, r in enumerate(stages) if g and int(g[1]) in r), len(stages) - 1)
+        e = experts.count[layer]
+        held = local_experts(e, topo.ep_size)
+        fused = kimi_fused(inter, topo.tp, kimi_min)
+        rank_inter = fused // topo.moe_tp
+        padded |= fused != inter
+        share = held / e * rank_inter / inter
+        t = totals[stage]
+        t[0] += experts.int4[layer] * share
+        t[1] += experts.bf16[layer] * share
+        t[2] += 1
+        if e >= n:
+            local, n, per_rank, inter_max = held, e, rank_inter, inter
+    int4, bf16, layers = max(totals, key=lambda t: t[0])
+    return Memory(round(int4), round(bf16), layers, sum(t[2] for t in totals), local, n, per_rank, inter_max,
+                  padded)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a server's code does with the experts: the kernel, and why it is wrong (or None)."""
+    """What a server's code does with the experts: the kernel, and why it is wrong (or None).
+    ``problem`` is one short line; ``detail`` the source lines and figures behind it."""
 
     summary: str
     problem: str | None = None
+    detail: str = ""
 
 
 def activation(config: dict | None) -> dict:
@@ -582,42 +726,56 @@ def activation(config: dict | None) -> dict:
 
 
 def kernel(server: str, config: dict | None, mats: list["_Matrix"], sizes: Mapping[str, tuple[int, int]],
-           tp: int) -> Verdict:
+           tp: int | Topology) -> Verdict:
     """The MoE method and kernel ``server`` gives these experts, as its code selects them."""
+    topo = topology(server, tp)
+    ctx = _Context(config, mats, dict(sizes), experts_of(mats, sizes, config), {}, server)
+    return _kernel(ctx, topo)
+
+
+def _int4(mem: Memory, topo: Topology) -> str:
+    return f"int4 as stored, {mem.int4 / 1e9:.3g} GB per rank"
+
+
+def _kernel(ctx: _Context, topo: Topology) -> Verdict:
+    server, config, sizes = ctx.server, ctx.config, ctx.sizes
     srv = SERVER_INFO[server]
-    act = activation(config)
+    try:   # read where the model reads them (converter.activation_fields): a top-level-only field is refused
+        act = activation(config)
+        vname, said = vllm_moe_activation(config, act)   # what the model's FusedMoE is given (issue 20)
+    except BadInput as e:
+        return Verdict(f"{srv.method}: activation not read", str(e))
     name = act["hidden_act"]
     kimi_min = kimi_min_per_rank(config) if srv.family == "vllm" else 0
-    mem = expert_memory(mats, sizes, tp, kimi_min=kimi_min)
-    int4 = f"{mem.int4 / 1e9:.3g} GB per rank of int4 experts at --tp {tp}"
+    mem = expert_memory(ctx.experts, topo, kimi_min)
+    int4 = _int4(mem, topo)
     if name == "situ" and act.get("activation_situ_beta") is None:
-        return Verdict(f"{srv.method}: SiTU", "hidden_act is situ but activation_situ_beta is missing: vLLM's "
-                                              "SiTU asserts it (fused_moe/activation.py 361-370), SGLang's SituAndMul "
-                                              "needs it")
+        return Verdict(f"{srv.method}: SiTU", "hidden_act is situ but activation_situ_beta is missing",
+                       "vLLM's SiTU asserts it (fused_moe/activation.py 361-370), SGLang's SituAndMul needs it")
     if server == "vllm-rocm-plugin":
-        return _plugin(config, act, mem, tp, int4, sizes, kimi_min)
-    vname, said = vllm_moe_activation(config, act)   # what the model's FusedMoE is given (issue 20)
+        return _plugin(config, act, mem, topo, int4, sizes, kimi_min)
     if server == "vllm-rocm":
-        return _said(_vllm_oracle(srv, vname, mem, tp, int4, marlin=False), said)
+        return _said(_vllm_oracle(srv, vname, mem, topo, int4, marlin=False), said)
     if server == "vllm-cuda":
         hidden_ok = all(h % 128 == 0 for _, h in sizes.values())
-        inter_ok = all((i // tp) % GROUP == 0 for i, _ in sizes.values())
-        verdict = _said(_vllm_oracle(srv, vname, mem, tp, int4, marlin=hidden_ok and inter_ok), said)
-        padded = kimi_padding(sizes, tp, kimi_min)
+        inter_ok = all((kimi_fused(i, topo.tp, kimi_min) // topo.moe_tp) % GROUP == 0 for i, _ in sizes.values())
+        verdict = _said(_vllm_oracle(srv, vname, mem, topo, int4, marlin=hidden_ok and inter_ok), said)
+        padded = kimi_padding(sizes, topo.tp, kimi_min)
         if verdict.problem is None and padded:
             layer, (per, pad) = padded[0]
-            fits = ", ".join(str(t) for t in fitting_tp(sizes[layer][0]) if not kimi_padding(sizes, t, kimi_min))
             return Verdict(f"{verdict.summary.split(':')[0]}: padded channels hold garbage",
-                           f"vLLM's KimiMoE pads the per-rank intermediate size {per} to {pad} at --tp {tp} "
-                           f"({KIMI_PAD_WHERE}): its zeroing looks the int4 words up on the MoE runner, finds "
-                           f"none and zeroes nothing, so the padded words stay as torch.empty left them "
-                           f"(compressed_tensors_moe_wna16.py 183-207) with scales of 1 (282, 298), and Marlin "
-                           f"computes every padded channel (fused_moe/oracle/int_wna16.py 651-659 masks nothing); "
-                           f"TP sizes without padding: {fits or 'none'}")
+                           f"KimiMoE pads per-rank intermediate {per} to {pad} at TP {topo.tp}; Marlin computes "
+                           f"the unzeroed padding",
+                           f"vLLM's KimiMoE pads ({KIMI_PAD_WHERE}): its zeroing looks the int4 words up on the "
+                           f"MoE runner, finds none and zeroes nothing, so the padded words stay as torch.empty "
+                           f"left them (compressed_tensors_moe_wna16.py 183-207) with scales of 1 (282, 298), and "
+                           f"Marlin computes every padded channel (fused_moe/oracle/int_wna16.py 651-659 masks "
+                           f"nothing)")
         return verdict
     line = "558" if server == "sglang-rocm" else "454 (Marlin), 558 (Triton)"
     if name != "silu":
         return Verdict(f"{srv.method}: asserts silu",
+                       f"{srv.method} asserts activation == 'silu'; hidden_act is {name!r}",
                        f"{srv.release} on {srv.target} gives the experts {srv.method}, whose apply_weights asserts "
                        f"activation == 'silu' (compressed_tensors_wNa16_moe.py {line}): the first forward with "
                        f"hidden_act {name!r} raises AssertionError")
@@ -644,29 +802,36 @@ def vllm_moe_activation(config: dict | None, act: dict) -> tuple[str, str]:
     fields = {k: v for k, (v, _) in ckpt.activation_fields(config or {}, tuple(defaults)).items() if k in defaults}
     said = ", ".join(f"{k.removeprefix('swiglu_')} {fields.get(k, d)}{'' if k in fields else ' (default)'}"
                      for k, d in defaults.items())
-    return name, f"; the model passes FusedMoE activation {name} ({said}; vllm 0.33.0 {where})"
+    return name, f"; FusedMoE gets activation {name} ({said}; vllm 0.33.0 {where})"
 
 
 def _said(v: Verdict, said: str) -> Verdict:
-    return Verdict(v.summary + said, v.problem)
+    """The activation the model passes: its parameters in the summary, its source lines in the detail."""
+    if not said:
+        return v
+    phrase, where = said.rsplit("; vllm 0.33.0 ", 1)
+    detail = "; ".join(x for x in (v.detail, f"the activation: vllm 0.33.0 {where.rstrip(')')}") if x)
+    return Verdict(v.summary + phrase + ")", v.problem, detail)
 
 
-def _vllm_oracle(srv: Server, act: str, mem: Memory, tp: int, int4: str, marlin: bool) -> Verdict:
+def _vllm_oracle(srv: Server, act: str, mem: Memory, topo: Topology, int4: str, marlin: bool) -> Verdict:
     """vLLM's WNA16 backend oracle (fused_moe/oracle/int_wna16.py 126-143, 338-363) for our weight key
     (int4 group 32, symmetric, no zero points)."""
     if act not in APPLY_ACTS:
-        return Verdict(f"{srv.method}: no backend", f"no WNA16 MoE backend takes activation {act!r} "
-                                                    f"(NotImplementedError at start-up)")
+        return Verdict(f"{srv.method}: no backend", f"no WNA16 MoE backend takes activation {act!r}",
+                       "NotImplementedError at start-up (fused_moe/oracle/int_wna16.py 338-363)")
     if marlin:
-        return Verdict(f"{srv.method} -> MARLIN (MarlinExperts; Humming ranks first on SM90 if installed), "
-                       f"takes {act}: {int4}")
+        return Verdict(f"{srv.method} -> MARLIN (Humming first on SM90 if installed), takes {act}; {int4}",
+                       detail="fused_moe/oracle/int_wna16.py 126-143; experts/marlin_moe.py 592-594, 623-626")
     if act in TRITON_ACTS:
-        return Verdict(f"{srv.method} -> TRITON (TritonWNA16Experts), {act}: {int4}")
+        return Verdict(f"{srv.method} -> TRITON (TritonWNA16Experts), {act}; {int4}",
+                       detail="fused_moe/oracle/int_wna16.py 126-143; experts/triton_moe.py 681-693")
     why = "Marlin is CUDA-only and TRITON has no situ" if srv.target.startswith("ROCm") else \
         "Marlin needs hidden % 128 == 0 and per-rank intermediate % 32 == 0, TRITON has no situ"
     return Verdict(f"{srv.method} -> EMULATION",
+                   f"EMULATION: bf16 dequantization at load, {mem.bf16 / 1e9:.3g} GB per rank at {topo.text()}",
                    f"{srv.release} on {srv.target} gives the experts {srv.method} -> EMULATION ({why}): "
-                   f"bf16 dequantization at load, {mem.text(tp)}")
+                   f"{mem.text()}, {mem.split()}")
 
 
 def kimi_min_per_rank(config: dict | None) -> int:
@@ -684,7 +849,14 @@ def kimi_padding(sizes: Mapping[str, tuple[int, int]], tp: int, minimum: int) ->
             if (padded := plugin_route.kimi_padded(inter, tp, minimum))]
 
 
-def _plugin(config: dict | None, act: dict, mem: Memory, tp: int, int4: str,
+# The plugin's load-time kernel self-test (converter/vllm_plugin/moe_method.py _will_self_test): the
+# first routed-experts layer each rank lays out, through the layer's own kernel; with DP+EP all2all it
+# runs the local expert kernel with the layer's expert mask, no collective (issue 23 section 1).
+SELF_TEST = "self-test runs"
+SELF_TEST_ALL2ALL = "self-test runs (local kernel, no all2all)"
+
+
+def _plugin(config: dict | None, act: dict, mem: Memory, topo: Topology, int4: str,
             sizes: Mapping[str, tuple[int, int]], kimi_min: int) -> Verdict:
     """The plugin's own decision (converter/vllm_plugin/route.py) on a gfx942 machine with AITER MoE on,
     vLLM 0.33 and an aiter whose a16w4 stage-1 takes SiTUv2; stock vLLM decides when it stays out."""
@@ -699,33 +871,52 @@ def _plugin(config: dict | None, act: dict, mem: Memory, tp: int, int4: str,
     try:
         name = plugin_route.decide(blocks[0] if blocks else None, None, config or {}, machine)
     except plugin_route.Refused as e:
-        return Verdict(f"{srv.method}: refused", str(e))
+        return Verdict(f"{srv.method}: refused", str(e), "converter/vllm_plugin/route.py decide")
     if name is None:
-        stock = _vllm_oracle(SERVER_INFO["vllm-rocm"], act["hidden_act"], mem, tp, int4, marlin=False)
-        return Verdict(f"plugin stays out, stock vLLM: {stock.summary}", stock.problem)
+        stock = _vllm_oracle(SERVER_INFO["vllm-rocm"], act["hidden_act"], mem, topo, int4, marlin=False)
+        return Verdict(f"plugin stays out, stock vLLM: {stock.summary}", stock.problem, stock.detail)
     for layer, (inter, hidden) in sorted(sizes.items()):
-        splits = inter % tp == 0 and (inter // tp) % GROUP == 0     # else rule tp-intermediate says it
-        if kimi_min and splits and (why := plugin_route.padding_refusal(inter, tp, kimi_min, SERVED_VLLM)):
-            return Verdict(f"{srv.method}: refused at load", f"{plugin_route.PREFIX} {layer}: {why} "
-                                                             f"(converter/vllm_plugin/moe_method.py create_weights)")
-        per_rank = plugin_route.kimi_per_rank(inter, tp, kimi_min) if kimi_min else inter // tp
+        fused = kimi_fused(inter, topo.tp, kimi_min)
+        if fused % topo.moe_tp or (fused // topo.moe_tp) % GROUP:
+            continue                                        # rule tp-intermediate says it
+        padded = plugin_route.kimi_padded(inter, topo.tp, kimi_min) if kimi_min else None
+        if padded and (why := plugin_route.padding_refusal(inter, topo.tp, kimi_min, SERVED_VLLM)):
+            return Verdict(f"{srv.method}: refused at load",
+                           f"vLLM {SERVED_VLLM} KimiMoE pads intermediate {padded[0]} to {padded[1]} per rank at "
+                           f"TP {topo.tp} and cannot build it",
+                           f"{plugin_route.PREFIX} {layer}: {why} (converter/vllm_plugin/moe_method.py "
+                           f"create_weights; {KIMI_PAD_WHERE})")
+        per_rank = fused // topo.moe_tp
         if why := plugin_route.size_problem(hidden, per_rank):
             return Verdict(f"{srv.method}: refused at load",
-                           f"{plugin_route.PREFIX} {layer}: {why} at --tp {tp}: the plugin refuses sizes its "
-                           f"kernel would pad (converter/vllm_plugin/moe_method.py maybe_roundup_sizes)")
-    return Verdict(f"{srv.method}: AITER a16w4 (flydsl_a16w4_gemm1) with Situv2 beta "
-                   f"{act.get('activation_situ_beta')} linear_beta {act.get('activation_situ_linear_beta')}, "
-                   f"no dequantization: {int4}")
+                           f"the plugin refuses per-rank sizes its kernel would pad: {why}",
+                           f"{plugin_route.PREFIX} {layer}: {why} at {topo.text()} (MoE TP {topo.moe_tp}): the "
+                           f"plugin refuses sizes its kernel would pad (converter/vllm_plugin/moe_method.py "
+                           f"maybe_roundup_sizes, route.size_problem)")
+    test = SELF_TEST_ALL2ALL if topo.all2all else SELF_TEST
+    return Verdict(f"{plugin_route.NAME}: AITER a16w4 with Situv2 beta {act.get('activation_situ_beta')} "
+                   f"linear_beta {act.get('activation_situ_linear_beta')}, {test}; {int4}",
+                   detail="converter/vllm_plugin/moe_method.py: aiter flydsl_a16w4_gemm1 (vLLM 0.33.0 "
+                          "quantization/mxfp4.py _setup_kernel_k3_situ_gfx942 builds the same kernel); self-test: "
+                          "moe_method.py _will_self_test")
 
 
 # ------------------------------------------------------------------------ for `verify`
 
-def serving_check(config: dict | None, tensors: Mapping[str, TensorInfo], server: str, tp: int) -> Check:
-    """The rules as one ``verify`` Check named "serving" (one problem line per failed rule)."""
-    results = evaluate(config, tensors, server, tp)
-    srv = SERVER_INFO[server]
-    c = Check("serving", f"{server} ({srv.release}, {srv.target}) at --tp {tp}: "
-                         f"{sum(r.ok for r in results)}/{len(results)} rules pass")
+def _launch(topo: Topology) -> str:
+    """How vLLM splits the experts at ``topo``, in one line."""
+    how = (f"EP {topo.ep_size}" + (" (all2all)" if topo.all2all else "")) if topo.ep_on else f"MoE TP {topo.moe_tp}"
+    return how + (f", PP {topo.pp}" if topo.pp > 1 else "")
+
+
+def serving_check(config: dict | None, tensors: Mapping[str, TensorInfo], server: str, tp: int | Topology,
+                  verbose: bool = False) -> Check:
+    """The rules as one ``verify`` Check named "serving": one short problem line per failed rule; the
+    TP sizes that pass (each found by running the rules at it); with ``verbose`` the source lines."""
+    topo = topology(server, tp)
+    ctx = _context(config, tensors, server)
+    results = _evaluate(ctx, topo)
+    c = Check("serving", f"{server} at {topo.text()}: {sum(r.ok for r in results)}/{len(results)} rules pass")
     for r in results:
         if not r.ok:
             c.fail(r.message)
@@ -733,4 +924,40 @@ def serving_check(config: dict | None, tensors: Mapping[str, TensorInfo], server
             c.notes.append(r.message.removeprefix("rule kernel: "))
         if r.note:
             c.notes.append(r.note)
+    vllm = ctx.family == "vllm"
+    if vllm:
+        mem = expert_memory(ctx.experts, topo, kimi_min_per_rank(config))
+        c.notes.append(f"{topo.text()}, {topo.gpus} GPUs: {_launch(topo)}; per rank {mem.split()}")
+    failed = {r.rule for r in results if not r.ok}
+    if failed and failed <= set(TOPOLOGY_RULES):
+        c.notes.append(_advice(ctx, topo))
+    if verbose:
+        srv = SERVER_INFO[server]
+        c.notes.append(f"server: {srv.release}, {srv.target}")
+        if vllm:
+            c.notes += [f"split: {SPLIT_WHERE[k]}" for k in ("ep", "tp", "experts", "all2all", "pp")]
+        for r in results:
+            if not r.ok:
+                c.notes += [f"rule {r.rule}: {r.detail}" * bool(r.detail), f"rule {r.rule} is enforced by "
+                            f"{RULES[r.rule].where[server]}", f"rule {r.rule} fix: {RULES[r.rule].fix}"]
+        c.notes = [n for n in c.notes if n]
+        kernel_detail = _topology_problems(ctx, topo)[1].detail
+        c.notes.append(f"rule kernel: {RULES['kernel'].where[server]}" + (f"; {kernel_detail}" if kernel_detail
+                                                                          and "kernel" not in failed else ""))
+    elif failed:
+        c.notes.append("--verbose: where the server enforces each rule (file and line), and the fix")
     return c
+
+
+def _advice(ctx: _Context, topo: Topology) -> str:
+    """The TP sizes that pass at topo's DP/PP/EP (and with EP toggled, where that differs)."""
+    rest = [f"{k} {v}" for k, v in (("DP", topo.dp), ("PP", topo.pp)) if v > 1] + ["EP"] * topo.ep
+    where = f" with {', '.join(rest)}" if rest else ""
+    sizes = passing_tp(ctx, topo) or []
+    out = f"TP sizes that pass{where}: {', '.join(map(str, sizes)) or 'none up to 64'}"
+    if ctx.family == "vllm":
+        other = Topology(topo.tp, topo.dp, topo.pp, not topo.ep)
+        alt = passing_tp(ctx, other) or []
+        if alt and alt != sizes:
+            out += f"; {'without' if topo.ep else 'with'} EP: {', '.join(map(str, alt))}"
+    return out

@@ -2,7 +2,9 @@
 # Fetch the few server source files tests/test_vllm_plugin.py compares the plugin's layout against
 # (vLLM's and aiter's own code; never copied into this repo), from their released PyPI wheels:
 #   vllm 0.33.0            model_executor/layers/quantization/mxfp4.py and
-#                          .../compressed_tensors_moe/compressed_tensors_moe_w4a16_flydsl.py
+#                          .../compressed_tensors_moe/compressed_tensors_moe_w4a16_flydsl.py,
+#                          fused_moe/config.py, fused_moe/expert_map_manager.py, distributed/utils.py
+#                          (how DP/EP/PP split the MoE: tests/test_serving.py)
 #   amd-aiter 0.1.7.post2.dev18  aiter/ops/shuffle.py
 # Usage: eval "$(bash scripts/fetch_server_sources.sh [DEST])"   (prints the two export lines)
 # DEST defaults to $K3CONVERT_SERVER_SOURCES, else ~/.cache/k3convert/server-sources. Idempotent:
@@ -14,6 +16,9 @@ py="${PYTHON:-python3}"
 VLLM_FILES=(
   vllm/model_executor/layers/quantization/mxfp4.py
   vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/compressed_tensors_moe_w4a16_flydsl.py
+  vllm/model_executor/layers/fused_moe/config.py
+  vllm/model_executor/layers/fused_moe/expert_map_manager.py
+  vllm/distributed/utils.py
 )
 AITER_FILES=(aiter/ops/shuffle.py)
 

@@ -787,7 +787,7 @@ def test_json_reader_refuses_a_fifo(converted, src_copy, tmp_path, cmd, where, n
         assert r.exit_code == 0 and "k3convert int4 output" in r.output, r.output
     else:
         assert r.exit_code != 0, r.output
-        assert "FIFO" in r.output or name in r.output, r.output  # verify words it its own way (verify._read_obj)
+        assert "FIFO" in r.output or name in r.output, r.output  # verify words it its own way (verify.dst.read_obj)
 
 
 def test_json_reader_missing_file_is_still_absent(tmp_path):

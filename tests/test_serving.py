@@ -21,13 +21,18 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from compressed_tensors.quantization.quant_scheme import W4A16
 
-from converter.serving import RULES, SERVERS, check_serving, evaluate, fitting_tp
+from converter import loaders, serving
+from converter.serving import RULES, SERVERS, check_serving, evaluate
+from converter.topology import Topology, local_experts, pp_stages
+from converter.vllm_plugin import route
 from conftest import (SPEC, ct_mxfp4_encode, read_json, rewrite_shard, run_cli, shard_names, sync_index,
                       write_json)
 from converter.fixture import FixtureSpec, make_fixture
 from converter.pipeline import Options, convert
 
 LAYER = "language_model.model.layers.1.block_sparse_moe.experts"   # the first MoE layer (shard 2)
+SHORT = 120             # a finding's line (issue 23 section 4); the citations are under --verbose
+SHORT_NAMED = 200       # one that names a checkpoint tensor or module in full
 
 
 # ---------------------------------------------------------------- helpers
@@ -77,8 +82,7 @@ def only_failure(root: str, rule: str, *needles: str, tp: int = 1) -> None:
         failed = [r for r in results if not r.ok and r.rule != "kernel"]
         assert [r.rule for r in failed] == [rule], [r.message for r in failed]
         msg = failed[0].message
-        assert msg.startswith(f"rule {rule}: ") and "\n" not in msg, msg
-        assert f"({server}: " in msg and msg.endswith(RULES[rule].fix), msg
+        assert msg.startswith(f"rule {rule}: ") and "\n" not in msg and len(msg) <= SHORT_NAMED, msg
         for n in needles:
             assert n in msg, f"{n!r} not in {msg}"
 
@@ -88,6 +92,13 @@ def all_pass(root: str, tp: int = 1) -> None:
     for server in SERVERS:
         failed = [r.message for r in check_serving(root, server, tp) if not r.ok and r.rule != "kernel"]
         assert not failed, failed
+
+
+def problem_lines(output: str) -> list[str]:
+    """The serving check's finding lines (each short) in verify's text output."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip().startswith("- rule ")]
+    assert all(len(ln) <= SHORT + 2 for ln in lines), lines
+    return lines
 
 
 def experts(tensors: dict, layer: str = LAYER) -> list[str]:
@@ -296,15 +307,18 @@ def test_hidden_size_not_a_multiple_of_the_group(dst):
 
 
 @pytest.mark.parametrize("tp", [3, 4, 8])
-def test_tp_that_splits_groups_fails(converted, tp):
-    only_failure(converted.dst, "tp-intermediate", f"per-rank intermediate size 64/{tp}=",
-                 f"at --tp {tp}; TP sizes that fit: 1, 2", tp=tp)
+def test_tp_that_splits_groups_fails(dst, tp):
+    """KimiMoE's padding floor set to 1 (it pads nothing here): every server's MoE splits 64 channels."""
+    edit_config(dst, lambda cfg: cfg["text_config"].__setitem__("min_moe_intermediate_per_partition", 1))
+    only_failure(dst, "tp-intermediate", f"per-rank intermediate size 64/{tp}=", f"at MoE TP {tp}", tp=tp)
 
 
-def test_fitting_tp_for_kimi_k3():
-    """K3's intermediate 3072 = 96 groups of 32: TP must divide 96 (8 and 16 fit, 64 does not)."""
-    assert fitting_tp(3072) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48]
-    assert fitting_tp(SPEC.inter) == [1, 2]
+def test_k3_tp_sizes_that_pass_on_cuda():
+    """K3's intermediate 3072 on vLLM CUDA: the sizes without KimiMoE padding whose per-rank size is
+    whole groups (74b0137 listed 16-48 as fitting, where KimiMoE pads)."""
+    config, tensors = k3_headers(layers=1, experts=2)
+    ctx = serving._context(config, tensors, "vllm-cuda")
+    assert serving.passing_tp(ctx, Topology(1)) == [1, 2, 3, 4, 6, 8, 12]
 
 
 @pytest.mark.parametrize("key, value, needle", [
@@ -330,9 +344,8 @@ def test_cli_serving_passes(servable, server, tp, kernel):
     r = run_cli("verify", servable, "--serving", server, "--tp", str(tp))
     assert r.exit_code == 0, r.output
     line = next(ln for ln in r.output.splitlines() if "serving " in ln)
-    assert line.strip().startswith(f"PASS  serving      {server} (vLLM 0.33.0"), line
-    assert f"at --tp {tp}: {len(RULES)}/{len(RULES)} rules pass" in line
-    assert kernel in r.output and f"GB per rank of int4 experts at --tp {tp}" in r.output
+    assert line.strip() == f"PASS  serving      {server} at TP {tp}: {len(RULES)}/{len(RULES)} rules pass", line
+    assert kernel in r.output and "int4 as stored, 0.00" in r.output
 
 
 def test_cli_serving_vllm_cuda_fails_where_vllm_pads(servable):
@@ -340,40 +353,44 @@ def test_cli_serving_vllm_cuda_fails_where_vllm_pads(servable):
     masks nothing; the plugin refuses the split vLLM 0.33.0 cannot build, in its own line."""
     r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-cuda", "--tp", "2")
     assert r.exit_code == 5, r.output
-    lines = [ln for ln in r.output.splitlines() if "rule " in ln]
-    assert len(lines) == 1 and "pads the per-rank intermediate size 64 to 256 at --tp 2" in lines[0], lines
-    assert "zeroes nothing" in lines[0] and "TP sizes without padding: 1" in lines[0]
-    r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm-plugin", "--tp", "2")
-    lines = [ln for ln in r.output.splitlines() if "rule " in ln]
-    assert r.exit_code == 5 and len(lines) == 1 and "k3convert vLLM plugin:" in lines[0], r.output
-    assert "cannot build that layer" in lines[0] and "--pipeline-parallel-size 2" in lines[0]
+    lines = problem_lines(r.output)
+    assert len(lines) == 1 and "pads per-rank intermediate 64 to 256 at TP 2" in lines[0], lines
+    assert "Marlin computes the unzeroed padding" in lines[0]
+    assert "note: TP sizes that pass: 1\n" in r.output   # EP too: KimiMoE pads by the TP group alone
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-cuda", "--tp", "2", "--verbose")
+    assert "zeroes nothing" in r.output and "models/kimi_k3/amd/linear.py 227-236" in r.output
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm-plugin", "--tp", "2", "--verbose")
+    lines = problem_lines(r.output)
+    assert r.exit_code == 5 and len(lines) == 1 and "KimiMoE pads intermediate 64 to 256" in lines[0], r.output
+    assert "cannot build it" in lines[0] and "k3convert vLLM plugin:" in r.output   # the plugin's words, verbose
 
 
 def test_cli_serving_stock_vllm_rocm_fails_on_situ(servable):
     """The one-line EMULATION failure, with the memory figure, and exit 5."""
     r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm", "--tp", "2")
     assert r.exit_code == 5, r.output
-    lines = [ln for ln in r.output.splitlines() if "rule " in ln]
+    lines = problem_lines(r.output)
     assert len(lines) == 1 and "rule kernel:" in lines[0] and "EMULATION" in lines[0], lines
     # 2 MoE layers x 4 experts x 3 x 128 x 128 weights, vLLM's KimiMoE pads 64 per rank to 256
     bf16 = 2 * 4 * 3 * 256 * 128 * 2
-    assert f"bf16 dequantization at load, {bf16 / 1e9:.3g} GB per rank" in lines[0] and "--tp 2" in lines[0]
+    assert f"bf16 dequantization at load, {bf16 / 1e9:.3g} GB per rank at TP 2" in lines[0]
 
 
 @pytest.mark.parametrize("server", ["sglang-rocm", "sglang-cuda"])
 def test_cli_serving_sglang_fails_on_situ(servable, server):
     r = run_cli("verify", servable, "--no-checksums", "--serving", server)
     assert r.exit_code == 5, r.output
-    lines = [ln for ln in r.output.splitlines() if "rule " in ln]
+    lines = problem_lines(r.output)
     assert len(lines) == 1 and "asserts activation == 'silu'" in lines[0], lines
 
 
 def test_cli_serving_tp_failure_is_one_line_and_exit_5(servable):
+    """74b0137 said "TP sizes that fit: 1, 2, 4" here, and 2 and 4 failed when run (KimiMoE pads them)."""
     r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm-plugin", "--tp", "8")
     assert r.exit_code == 5, r.output
-    lines = [ln for ln in r.output.splitlines() if "rule " in ln]
-    assert lines == [next(ln for ln in r.output.splitlines() if "rule tp-intermediate:" in ln)]
-    assert "128/8=16" in lines[0] and "TP sizes that fit: 1, 2, 4" in lines[0]
+    lines = problem_lines(r.output)
+    assert len(lines) == 1 and "KimiMoE pads intermediate 16 to 256 per rank at TP 8" in lines[0], lines
+    assert "TP sizes that pass: 1\n" in r.output + "\n" and "fit: 1, 2, 4" not in r.output
     assert "FAIL  serving" in r.output and "result: FAIL (1 problem(s))" in r.output
 
 
@@ -390,8 +407,9 @@ def test_cli_serving_config_failure_json(dst):
 
 
 def test_cli_tp_without_serving_is_refused(converted):
-    r = run_cli("verify", converted.dst, "--tp", "2")
-    assert r.exit_code == 2 and "--tp is used with --serving" in r.output
+    for flag in (("--tp", "2"), ("--dp", "2"), ("--pp", "2"), ("--ep",), ("--verbose",)):
+        r = run_cli("verify", converted.dst, *flag)
+        assert r.exit_code == 2 and "are used with --serving" in r.output, flag
 
 
 # ---------------------------------------------------------------- names: the scheme lookup
@@ -408,7 +426,7 @@ def _block(cfg: dict) -> dict:
     (lambda b: b["ignore"].append(r"re:.*\.(gate|up|down)_proj$"), "the layer's experts load unquantized"),
     (lambda b: b["ignore"].append(r"re:.*gate_proj.*"), "but not the other projections"),
     (lambda b: b["config_groups"]["group_0"].__setitem__("targets", [r"re:.*\.experts\.\d+\.w[123]$"]),
-     "no target matches language_model.model.layers.1.block_sparse_moe.experts.0.gate_proj"),
+     "no target matches …experts.0.gate_proj"),
 ])
 def test_names_rule_fails(dst, edit, needle):
     edit_config(dst, lambda cfg: edit(_block(cfg)))
@@ -453,6 +471,9 @@ def test_int4_targets_select_exactly_the_converted_modules():
 
 # ---------------------------------------------------------------- kernel: per server and target
 
+LAYER_K3 = "language_model.model.layers.1.block_sparse_moe.experts"
+
+
 def k3_headers(layers: int = 2, experts: int = 4, inter: int = 3072, hidden: int = 3584,
                act: dict | None = None) -> tuple[dict, dict]:
     """A K3-shaped config and header entries at K3's expert dims (fewer layers and experts)."""
@@ -493,14 +514,15 @@ def test_situ_at_k3_dims_per_server():
     assert not stock.ok and "\n" not in stock.message
     assert "EMULATION" in stock.message and "bf16 dequantization at load" in stock.message
     assert f"{weights * 2 / 8 / 1e9:.3g} GB per rank" in stock.message          # bf16; TP 8 splits I
-    assert f"int4 as stored: {weights * (0.5 + 2 / 32) / 8 / 1e9:.3g} GB" in stock.message
+    assert f"int4 as stored: {weights * (0.5 + 2 / 32) / 8 / 1e9:.3g} GB" in stock.detail
+    assert len(stock.message) <= SHORT
     plugin = kernel_result(config, tensors, "vllm-rocm-plugin", 8)
-    assert plugin.ok and "Situv2 beta 4.0 linear_beta 25.0" in plugin.message and "no dequantization" in plugin.message
+    assert plugin.ok and "Situv2 beta 4.0 linear_beta 25.0" in plugin.message and "int4 as stored" in plugin.message
     cuda = kernel_result(config, tensors, "vllm-cuda", 8)
     assert cuda.ok and "MARLIN" in cuda.message and "takes situ" in cuda.message
     for server, line in (("sglang-rocm", "558"), ("sglang-cuda", "454")):
         r = kernel_result(config, tensors, server, 8)
-        assert not r.ok and "asserts activation == 'silu'" in r.message and line in r.message
+        assert not r.ok and "asserts activation == 'silu'" in r.message and line in r.detail
 
 
 def test_silu_experts_run_everywhere_at_int4():
@@ -518,7 +540,7 @@ def test_marlin_shape_rule_on_cuda():
     """vLLM CUDA falls back to EMULATION when Marlin cannot take the shape (hidden % 128)."""
     config, tensors = k3_headers(hidden=3584 - 32)
     r = kernel_result(config, tensors, "vllm-cuda", 1)
-    assert not r.ok and "EMULATION" in r.message and "hidden % 128" in r.message
+    assert not r.ok and "EMULATION" in r.message and "hidden % 128" in r.detail
 
 
 def test_plugin_refusals_are_the_plugins():
@@ -547,11 +569,12 @@ def test_k3_where_vllm_pads(tp, per):
     refuses what vLLM 0.33.0 cannot build, in one line; stock vLLM on CUDA fails naming the padding."""
     config, tensors = k3_headers(layers=1, experts=2)
     r = kernel_result(config, tensors, "vllm-rocm-plugin", tp)
-    assert not r.ok and f"pads the per-rank intermediate size {per} to 256 and cannot build" in r.message
-    assert r.message.startswith("rule kernel: k3convert vLLM plugin:") and "\n" not in r.message
+    assert not r.ok and f"KimiMoE pads intermediate {per} to 256 per rank at TP {tp} and cannot build" in r.message
+    assert "\n" not in r.message and len(r.message) <= SHORT
+    assert f"k3convert vLLM plugin: {LAYER_K3}: at TP {tp}" in r.detail      # the plugin's own line
     r = kernel_result(config, tensors, "vllm-cuda", tp)
-    assert not r.ok and f"pads the per-rank intermediate size {per} to 256 at --tp {tp}" in r.message
-    assert "TP sizes without padding: 1, 2, 3, 4, 6, 8, 12" in r.message
+    assert not r.ok and f"pads per-rank intermediate {per} to 256 at TP {tp}" in r.message
+    assert "zeroes nothing" in r.detail and len(r.message) <= SHORT
     assert kernel_result(config, tensors, "vllm-cuda", 8).ok
 
 
@@ -571,4 +594,267 @@ def test_plugin_refuses_sizes_its_kernel_would_pad():
     assert kernel_result(config, tensors, "vllm-rocm-plugin", 8).ok
     config, tensors = k3_headers(hidden=3584 - 32)
     r = kernel_result(config, tensors, "vllm-rocm-plugin", 8)
-    assert not r.ok and "k3convert vLLM plugin:" in r.message and "hidden size 3552" in r.message
+    assert not r.ok and "the plugin refuses" in r.message and "hidden size 3552" in r.message
+    assert f"k3convert vLLM plugin: {LAYER_K3}: hidden size 3552" in r.detail
+
+
+# ---------------------------------------------------------------- issue 23 section 4: topologies
+
+TWO_NODE = {"TP 8 + EP": Topology(8, ep=True), "DP 2 x TP 8 + EP": Topology(8, dp=2, ep=True),
+            "PP 2 x TP 8": Topology(8, pp=2)}
+
+
+def _vllm_source(rel: str):
+    """A vLLM 0.33.0 file from the released wheel (scripts/fetch_server_sources.sh)."""
+    from pathlib import Path
+    root = os.environ.get("K3CONVERT_VLLM033_SRC")
+    path = Path(root, rel) if root else None
+    if path is None or not path.is_file():
+        if os.environ.get("K3CONVERT_REQUIRE_SERVER_SOURCES"):
+            pytest.fail(f"K3CONVERT_VLLM033_SRC has no {rel}")
+        pytest.skip(f"K3CONVERT_VLLM033_SRC has no {rel} (run scripts/fetch_server_sources.sh)")
+    return path
+
+
+def _vllm_split():
+    """vLLM 0.33.0's own FusedMoEParallelConfig (fused_moe/config.py), determine_expert_map
+    (expert_map_manager.py) and get_pp_indices (distributed/utils.py), compiled from the released
+    files with the process-group getters stubbed."""
+    import ast
+    import dataclasses
+    import logging
+    from typing import Literal
+
+    ns = {"dataclass": dataclasses.dataclass, "torch": torch, "ParallelConfig": object, "Literal": Literal,
+          "ExpertPlacementStrategy": str, "logger": logging.getLogger("vllm033"),
+          "envs": SimpleNamespace(VLLM_PP_LAYER_PARTITION=None),
+          "get_dp_group": lambda: ns["_dp"], "get_pcp_group": lambda: SimpleNamespace(rank_in_group=0),
+          "get_tensor_model_parallel_rank": lambda: ns["_tp_rank"]}
+    for rel, names in (("model_executor/layers/fused_moe/config.py", {"FusedMoEParallelConfig"}),
+                       ("model_executor/layers/fused_moe/expert_map_manager.py", {"determine_expert_map"}),
+                       ("distributed/utils.py", {"get_pp_indices"})):
+        tree = ast.parse(_vllm_source(rel).read_text())
+        found = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names]
+        assert {n.name for n in found} == names, rel
+        exec(compile(ast.Module(body=found, type_ignores=[]), rel, "exec"), ns)
+    return ns
+
+
+@pytest.mark.parametrize("tp, dp, ep", [(8, 1, True), (8, 2, True), (8, 2, False), (16, 1, False), (16, 1, True),
+                                        (1, 1, True), (1, 4, True), (4, 2, False), (1, 1, False)])
+def test_topology_is_vllms_own_split(tp, dp, ep):
+    """The MoE's tp_size, ep_size, all2all and the experts per rank, against vLLM 0.33.0's own code run
+    for every rank (FusedMoEParallelConfig.make, determine_expert_map), and the PP stages against
+    get_pp_indices."""
+    ns = _vllm_split()
+    topo = Topology(tp, dp=dp, ep=ep)
+    par = SimpleNamespace(enable_expert_parallel=ep, all2all_backend="allgather_reducescatter", enable_eplb=False)
+    held = []
+    for dp_rank in range(dp):
+        for tp_rank in range(tp):
+            ns["_dp"], ns["_tp_rank"] = SimpleNamespace(rank_in_group=dp_rank), tp_rank
+            cfg = ns["FusedMoEParallelConfig"].make(tp_size_=tp, pcp_size_=1, dp_size_=dp, sp_size_=1,
+                                                     vllm_parallel_config=par)
+            assert (cfg.tp_size, cfg.ep_size, cfg.use_ep, cfg.use_all2all_kernels) == \
+                (topo.moe_tp, topo.ep_size, topo.ep_on, topo.all2all)
+            for experts in (896, 8, 61):
+                held.append((experts, ns["determine_expert_map"](cfg.ep_size, cfg.ep_rank, experts)[0]))
+    for experts in (896, 8, 61):
+        assert max(n for e, n in held if e == experts) == local_experts(experts, topo.ep_size)
+    for layers, pp in ((93, 2), (93, 4), (7, 3), (3, 3), (62, 8)):
+        got = [ns["get_pp_indices"](layers, r, pp) for r in range(pp)]
+        assert [(s.start, s.stop) for s in pp_stages(layers, pp)] == got
+
+
+def test_two_node_topologies_at_k3_dims():
+    """Per topology on the plugin: the kernel, the self-test, and the experts' memory per rank
+    (all 896 experts, K3's expert dims, 4 MoE layers of 5), computed here from the dims."""
+    config, tensors = k3_headers(layers=4, experts=896)
+    config["text_config"]["num_hidden_layers"] = 5
+    per_expert = 3 * 3072 * 3584 * (0.5 + 2 / 32)           # int4 + bf16 scale per 32, bytes
+    want = {"TP 8 + EP": (112, 3072, 4), "DP 2 x TP 8 + EP": (56, 3072, 4), "PP 2 x TP 8": (896, 384, 2)}
+    for name, topo in TWO_NODE.items():
+        c = serving.serving_check(config, tensors, "vllm-rocm-plugin", topo)
+        assert c.ok and c.summary == f"vllm-rocm-plugin at {name}: {len(RULES)}/{len(RULES)} rules pass", c.problems
+        local, inter, layers = want[name]
+        gb = per_expert * local * inter / 3072 * layers / 1e9
+        text = "\n".join(c.notes)
+        assert "AITER a16w4 with Situv2 beta 4.0 linear_beta 25.0" in text and "self-test runs" in text
+        assert f"int4 as stored, {gb:.3g} GB per rank" in text, text
+        assert f"per rank {local}/896 experts x {inter} of 3072 intermediate, {layers}/4 MoE layers" in text, text
+        assert ("all2all" in text) == (name == "DP 2 x TP 8 + EP")
+        assert all(len(n) <= 160 for n in c.notes), c.notes
+    # without --ep, DP flattens the MoE's TP to 16: 192 channels per rank, which the plugin refuses
+    c = serving.serving_check(config, tensors, "vllm-rocm-plugin", Topology(8, dp=2))
+    assert not c.ok and "per-rank intermediate size 192 is not a multiple of 128" in c.problems[0]
+    assert any("with EP: 1, 2, 3, 4, 5, 6, 7, 8" in n for n in c.notes), c.notes
+
+
+def test_cli_topology_flags(servable):
+    """--dp/--pp/--ep reach the check; SGLang refuses them (its split was not read)."""
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-cuda", "--dp", "2", "--tp", "2", "--ep")
+    assert "serving      vllm-cuda at DP 2 x TP 2 + EP" in r.output, r.output
+    assert "EP 4 (all2all)" in r.output and "per rank 1/4 experts" in r.output
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-cuda", "--pp", "2")
+    assert r.exit_code == 0 and "at PP 2 x TP 1: " in r.output and "1/2 MoE layers" in r.output, r.output
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "sglang-rocm", "--ep")
+    assert r.exit_code == 2 and "vllm-* servers only" in r.output
+
+
+def _passes(config, tensors, server, topo) -> bool:
+    return all(r.ok for r in serving.evaluate(config, tensors, server, topo))
+
+
+@pytest.mark.parametrize("server", ["vllm-rocm-plugin", "vllm-cuda", "vllm-rocm", "sglang-cuda"])
+@pytest.mark.parametrize("dims", [(192, 128), (128, 128), (3072, 3584), (64, 96)])
+def test_advice_lists_exactly_the_sizes_that_pass(server, dims):
+    """The listed TP sizes are found by running every rule at each: each listed one passes when run,
+    each other one fails. On the demo fixture's dims (192 x 128) 74b0137 said "TP sizes that fit: 1,
+    2, 3, 6", and the plugin failed at every one of them."""
+    inter, hidden = dims
+    config, tensors = k3_headers(layers=1, experts=2, inter=inter, hidden=hidden,
+                                 act=None if server != "sglang-cuda" else {"hidden_act": "silu"})
+    ctx = serving._context(config, tensors, server)
+    for topo in (Topology(4), Topology(4, ep=True)) if server.startswith("vllm") else (Topology(4),):
+        listed = serving.passing_tp(ctx, topo, limit=20)
+        for t in range(1, 21):
+            assert _passes(config, tensors, server, topo.with_tp(t)) == (t in listed), (t, listed)
+    if server == "vllm-rocm-plugin" and dims == (192, 128):
+        assert not any(_passes(config, tensors, server, Topology(t)) for t in (1, 2, 3, 6))
+        c = serving.serving_check(config, tensors, server, 4)
+        assert "TP sizes that pass: none up to 64" in c.notes
+
+
+def test_findings_are_short_and_cite_under_verbose(servable):
+    """One short line per finding; the file-and-line citations only with --verbose."""
+    args = ("verify", servable, "--no-checksums", "--serving", "vllm-rocm", "--tp", "8")
+    short, verbose = run_cli(*args), run_cli(*args, "--verbose")
+    assert short.exit_code == verbose.exit_code == 5
+    assert len(problem_lines(short.output)) == 1 and problem_lines(short.output) == problem_lines(verbose.output)
+    assert all(len(ln) <= SHORT + 8 for ln in short.output.splitlines() if "serving" in ln or "- rule" in ln)
+    for cite in ("fused_moe/oracle/int_wna16.py 126-143", "fused_moe/config.py 1198-1201",
+                 "rule kernel fix: for SiTU experts"):
+        assert cite not in short.output and cite in verbose.output, cite
+
+
+# ---------------------------------------------------------------- the plugin: aiter missing, 0.33.x padding
+
+def _gemm1(*a, act=None, situ_beta=None, situ_linear_beta=None, **k):
+    raise NotImplementedError
+
+
+def test_aiter_missing_is_reported_as_missing():
+    """Without aiter, vLLM's is_fused_moe_enabled answers None (_aiter_ops.py 279-291): the refusal
+    says aiter is missing, not that AITER MoE is off."""
+    config, _ = k3_headers()
+    block = config["text_config"]["quantization_config"]
+    missing = route.Machine(is_rocm=True, on_gfx942=True, aiter_moe_enabled=False, vllm_version="0.33.0",
+                            aiter_found=False)
+    with pytest.raises(route.Refused, match="aiter is not installed") as e:
+        route.decide(block, None, config, missing)
+    assert "AITER MoE is off" not in str(e.value)
+    off = route.Machine(is_rocm=True, on_gfx942=True, aiter_moe_enabled=False, vllm_version="0.33.0", gemm1=_gemm1)
+    with pytest.raises(route.Refused, match="AITER MoE is off"):
+        route.decide(block, None, config, off)
+
+
+@pytest.mark.parametrize("version, crashes", [("0.33.0", True), ("0.33.1", True), ("0.33.0+rocm700", True),
+                                              ("0.33.2rc1", True), ("0.33.1.dev12+g1234", True),
+                                              ("0.34.0", False), ("0.32.1", False), ("0.3.3", False), ("", False)])
+def test_padding_crash_matches_every_033_build(version, crashes):
+    assert bool(route.padding_refusal(3072, 16, 256, version)) == crashes
+    assert route.padding_refusal(3072, 8, 256, version) is None      # 384 per rank: nothing padded
+
+
+# ---------------------------------------------------------------- issue 26 section 3: the loaders' refusals
+
+def _moe_headers(model_type: str, experts: int, text: dict, name="model.layers.{L}.mlp.experts", w=("w1", "w3", "w2"),
+                 inter=512, hidden=256):
+    config, _ = k3_headers(layers=1, experts=1, act={"hidden_act": "silu"})
+    block = config["text_config"]["quantization_config"]
+    config = {"model_type": model_type, "torch_dtype": "bfloat16", "quantization_config": block, **text}
+    tensors = {}
+    for e in range(experts):
+        for proj, (o, i) in zip(w, ((inter, hidden), (inter, hidden), (hidden, inter))):
+            m = f"{name.format(L=1)}.{e}.{proj}"
+            tensors[f"{m}.weight_packed"] = SimpleNamespace(dtype="I32", shape=(o, i // 8))
+            tensors[f"{m}.weight_scale"] = SimpleNamespace(dtype="BF16", shape=(o, i // 32))
+    return config, tensors
+
+
+@pytest.mark.parametrize("model_type, key, where, text", [
+    ("minimax_m3_text", "num_local_experts", "models/minimax_m3/amd/model.py 362-366",
+     {"hidden_act": "swigluoai", "swiglu_alpha": 1.702, "swiglu_limit": 7.0}),
+    ("mimo_v2", "n_routed_experts", "model_executor/models/mimo_v2.py 138-142", {"hidden_act": "silu"}),
+])
+def test_tp_above_the_expert_count_is_refused(model_type, key, where, text):
+    """vLLM refuses TP > number of experts for MiniMax-M3 and MiMo-V2; 74b0137 passed TP 16 with 8."""
+    config, tensors = _moe_headers(model_type, 8, {**text, key: 8, "num_attention_heads": 64})
+    for server in ("vllm-rocm", "vllm-cuda"):
+        res = {r.rule: r for r in serving.evaluate(config, tensors, server, 16)}
+        assert not res["loader"].ok and res["loader"].message == \
+            f"rule loader: TP 16 > {key} 8: vLLM's loader refuses it", res["loader"].message
+        assert where in res["loader"].detail
+        assert [r for r in res.values() if not r.ok] == [res["loader"]]
+        assert all(r.ok for r in serving.evaluate(config, tensors, server, 8))
+        assert all(r.ok for r in serving.evaluate(config, tensors, server, Topology(8, dp=2, ep=True)))
+        assert all(r.ok for r in serving.evaluate(config, tensors, "sglang-cuda", 16) if r.rule == "loader")
+
+
+def test_heads_and_kv_heads_refusals():
+    """The engine refuses heads TP does not divide (config/model.py 1557-1563); Kimi's KDA heads
+    (kda.py 130-131); MiniMax's KV-head rule (model.py 519-523); a MiMo with non-silu experts."""
+    config, tensors = k3_headers(layers=1, experts=2)
+    config["text_config"].update(num_attention_heads=64, linear_attn_config={"num_heads": 96, "head_dim": 128})
+    assert next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 8) if r.rule == "loader").ok
+    r = next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 5) if r.rule == "loader")
+    assert r.message == "rule loader: num_attention_heads 64 not divisible by TP 5: vLLM's loader refuses it (and 1 " \
+                        "more)" and "linear.py 405 (MLA)" in r.detail and "kda.py 130-131" in r.detail
+    assert "linear_attn_config.num_heads 96 not divisible by TP 5" in r.detail
+    r = next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 3) if r.rule == "loader")
+    assert r.message.startswith("rule loader: num_attention_heads 64 not divisible by TP 3") and "more" not in r.message
+    config["text_config"]["num_attention_heads"] = 96
+    r = next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 12) if r.rule == "loader")
+    assert r.ok
+    mm, mt = _moe_headers("minimax_m3_vl", 8, {"text_config": {"model_type": "minimax_m3_text",
+                                                               "num_key_value_heads": 4, "num_attention_heads": 48}},
+                          inter=768)
+    msgs = [r.message for r in serving.evaluate(mm, mt, "vllm-rocm", 6) if not r.ok]
+    assert msgs == ["rule loader: num_key_value_heads 4 and TP 6 do not divide one another: vLLM's loader "
+                    "refuses it"], msgs
+    mi, ti = _moe_headers("mimo_v2_flash", 8, {"hidden_act": "gelu", "n_routed_experts": 8})
+    assert any("hidden_act is 'gelu', not 'silu'" in r.message for r in serving.evaluate(mi, ti, "vllm-rocm", 1))
+
+
+def test_a_model_is_added_by_one_table_entry(monkeypatch):
+    """LOADERS is the per-model table: a new model type's refusal is checked once it is listed."""
+    config, tensors = _moe_headers("bailing_moe_v3", 8, {"num_experts": 8})
+    assert all(r.ok for r in serving.evaluate(config, tensors, "vllm-cuda", 16) if r.rule == "loader")
+    monkeypatch.setitem(loaders.LOADERS, "bailing_moe_v3", (loaders.Refusal("num_experts", "tp<=", "somewhere 1-2"),))
+    r = next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 16) if r.rule == "loader")
+    assert not r.ok and "TP 16 > num_experts 8" in r.message and r.detail == "somewhere 1-2"
+
+
+@pytest.fixture(scope="module")
+def moe_outputs(tmp_path_factory):
+    """The MiniMax-M3 and MiMo-V2 fixtures (4 experts each), converted."""
+    import mimo_v2_fixture as mimo
+    import minimax_m3_fixture as mm3
+    out = {}
+    for name, mod in (("minimax", mm3), ("mimo", mimo)):
+        root = tmp_path_factory.mktemp(name)
+        mod.write(str(root / "src"))
+        convert(str(root / "src"), str(root / "dst"), Options())
+        out[name] = str(root / "dst")
+    return out
+
+
+@pytest.mark.parametrize("name, key, advice, passing", [
+    ("minimax", "num_local_experts", "TP sizes that pass: 1; with EP: 1, 2", ("--tp", "2", "--ep")),
+    ("mimo", "n_routed_experts", "TP sizes that pass: 1, 2\n", ("--tp", "2"))])
+def test_cli_refuses_tp_above_experts_on_converted_outputs(moe_outputs, name, key, advice, passing):
+    r = run_cli("verify", moe_outputs[name], "--no-checksums", "--serving", "vllm-rocm", "--tp", "8")
+    assert r.exit_code == 5 and f"rule loader: TP 8 > {key} 4" in r.output, r.output
+    assert advice in r.output     # the fixtures' 2 heads: TP 2 at most
+    r = run_cli("verify", moe_outputs[name], "--no-checksums", "--serving", "vllm-rocm", *passing)
+    assert r.exit_code == 0, r.output

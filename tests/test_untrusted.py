@@ -262,17 +262,18 @@ def test_link_out_of_src_refused(src_copy, tmp_path, rel):
     assert not os.path.lexists(os.path.join(scene.dst, rel))
 
 
-def test_symlinked_folder_not_followed(src_copy, tmp_path, converted):
-    """A folder of SRC that is a symlink out of it: os.walk does not descend into it, nothing in
-    it is read or copied; the conversion completes without it (the link is not reproduced)."""
+def test_symlinked_folder_out_of_src_is_refused(src_copy, tmp_path):
+    """A folder of SRC that is a symlink out of it: refused in one line before anything is written
+    (until issue 25 S9 it was skipped without a word); nothing in it is read or copied."""
     scene = Scene(tmp_path, src_copy)
-    os.symlink(os.path.join(scene.outside, "dir"), os.path.join(src_copy, "extra"))
+    link = os.path.join(src_copy, "extra")
+    os.symlink(os.path.join(scene.outside, "dir"), link)
     scene.shard_copy_at(os.path.join(scene.outside, "dir", "model-00009-of-00009.safetensors"))
     r = scene.convert()
-    assert r.exit_code == 0, r.output
+    assert_clean_error(r, f"file {link}: a link to the folder", "outside the checkpoint directory", code=2)
     scene.assert_contained()
     assert not os.path.lexists(os.path.join(scene.dst, "extra"))
-    assert_complete_like(scene.dst, converted.dst)
+    assert_not_complete(scene.dst)
 
 
 # ------------------------------------------------------------------ Hugging Face cache snapshots

@@ -30,6 +30,7 @@ from click.testing import CliRunner
 from converter.cli import main
 from converter.errors import VerifyFailed
 from converter.fixture import FixtureSpec, make_fixture
+from converter import hub as hub_module
 from converter.hub import IGNORE, model_card, upload, upload_files
 from converter.manifest import MANIFEST, write_json
 from converter.pipeline import Options, convert
@@ -88,6 +89,7 @@ class FakeHub:
         self.branches: list[str] = []
         self.lfs: dict[str, bytes] = {}
         self.commits: list[dict] = []
+        self.fail_commit: int | None = None  # an HTTP status to answer every commit with
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -151,6 +153,8 @@ class FakeHub:
                 if method == "PUT" and path.startswith("/lfs-put/"):
                     hub.lfs[p[1]] = body
                     return self._send(200, {})
+                if method == "POST" and api and p[4] == "commit" and hub.fail_commit:
+                    return self._send(hub.fail_commit, {"error": "Internal Error - We're working hard to fix this"})
                 if method == "POST" and api and p[4] == "commit":
                     lines = [json.loads(x) for x in body.splitlines() if x.strip()]
                     hub.commits.append({"repo": f"{p[2]}/{p[3]}", "revision": p[5], "lines": lines})
@@ -227,8 +231,10 @@ def test_upload_through_a_fake_hub_sends_exactly_the_output(dst, fake_hub, loopb
     assert loopback_only and all(a[0] in ("127.0.0.1", "::1") for a in loopback_only if isinstance(a, tuple))
 
 
-def test_upload_large_folder_is_used_when_the_library_has_it(dst):
-    """huggingface_hub < 2: create_repo(exist_ok) then upload_large_folder(repo_type='model', ...)."""
+def test_upload_large_folder_is_used_when_the_library_has_it(dst, monkeypatch):
+    """huggingface_hub without the streamed upload_folder (0.x, early 1.x): create_repo(exist_ok)
+    then upload_large_folder(repo_type='model', ...)."""
+    monkeypatch.setattr(hub_module, "streams_upload_folder", lambda: False)
     calls = []
 
     class OldApi:
@@ -326,3 +332,137 @@ def test_ignore_patterns_cover_state_and_partials(dst):
     paths = [p for p, _ in upload_files(dst)]
     assert not any(p.startswith(".k3convert/") or p.endswith(".partial") or ".tmp" in p for p in paths)
     assert ".k3convert/**" in IGNORE and "*.partial" in IGNORE
+
+
+# ----------------------------------------------------------------------------- issue 24 §3, issue 25 S14/S16
+
+def test_dry_run_shows_the_card(dst):
+    """`upload --dry-run` shows the model card it would write, not just "would write"."""
+    res = CliRunner().invoke(main, ["upload", dst, REPO, "--dry-run"])
+    assert res.exit_code == 0, res.output
+    card = model_card(dst, repo_id=REPO).splitlines()
+    assert f"README.md: would write (the model card, {len(card)} lines):" in res.output
+    title = next(line for line in card if line.startswith("# "))
+    assert f"    {title}" in res.output and "group size 32, symmetric" in res.output
+    assert f"... ({len(card) - hub_module.CARD_LINES} more lines)" in res.output
+    assert not os.path.exists(os.path.join(dst, "README.md"))
+
+
+def test_streamed_upload_folder_is_used_without_the_deprecation_banner(dst):
+    """huggingface_hub 1.33 has both methods; its upload_large_folder prints a FutureWarning banner
+    ("`upload_large_folder` is DEPRECATED ... Use `upload_folder`"). Where the installed version
+    streams upload_folder (it has ``_upload_pipeline``), that is what is called."""
+    import warnings
+
+    assert hub_module.streams_upload_folder()  # the installed huggingface_hub (2.4.0) streams it
+    calls = []
+
+    class Api133:  # the two methods as 1.33 has them
+        def create_repo(self, repo_id, **kw):
+            return f"https://hub.invalid/{repo_id}"
+
+        def upload_folder(self, **kw):
+            calls.append(("upload_folder", kw))
+
+        def upload_large_folder(self, **kw):
+            warnings.warn("\n=====\n`upload_large_folder` is DEPRECATED and will be removed in a future release.\n\n"
+                          "Use `upload_folder` instead:\n=====\n", FutureWarning, stacklevel=2)
+            calls.append(("upload_large_folder", kw))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = upload(dst, REPO, api=Api133())
+    assert res.method == "upload_folder" and [c[0] for c in calls] == ["upload_folder"]
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert calls[0][1]["folder_path"] == os.path.abspath(dst) and ".k3convert/**" in calls[0][1]["ignore_patterns"]
+
+
+def test_s16_a_fifo_readme_fails_verify_and_is_never_uploaded(dst, loopback_only):
+    """S16: README.md as a FIFO passed verify, and the upload said "13 files" while 12 were committed.
+    Only regular files are output: verify fails naming it (exit 5), upload refuses before the Hub."""
+    os.mkfifo(os.path.join(dst, "README.md"))
+    res = CliRunner().invoke(main, ["verify", dst])
+    assert res.exit_code == 5, res.output
+    assert "README.md: is a FIFO (named pipe), not a regular file" in res.output
+    for args in (["--dry-run"], []):
+        res = CliRunner().invoke(main, ["upload", dst, REPO, *args])
+        assert res.exit_code == 5 and "README.md: is a FIFO" in res.output, res.output
+    with pytest.raises(VerifyFailed, match="README.md: is a FIFO"):
+        upload(dst, REPO, api=_NoApi())
+    assert loopback_only == []
+
+
+def test_s16_a_hub_error_on_commit_is_one_line(dst, fake_hub):
+    """S16: an HTTP 500 on commit printed three lines; now one, saying how to resume (exit 1)."""
+    fake_hub.fail_commit = 500
+    res = CliRunner().invoke(main, ["upload", dst, REPO, "--token", "hf_fake_token"],
+                             env={"HF_ENDPOINT": fake_hub.url})
+    assert res.exit_code == 1, res.output
+    assert res.stdout == "", res.stdout
+    err = res.stderr.strip()
+    assert "\n" not in err, err
+    assert err.startswith(f"k3convert: error: upload to {REPO} failed: HTTP 500 Internal Server Error on POST "
+                          f"{fake_hub.url}/api/models/{REPO}/commit/main: Internal Error") and err.endswith(
+        "Run the same command again to resume"), err
+    assert fake_hub.commits == []
+
+
+class _BlockingApi:
+    """A Hub that holds the upload in upload_folder until released (what a slow upload looks like)."""
+
+    def __init__(self):
+        import threading
+
+        self.entered, self.release, self.sent = threading.Event(), threading.Event(), None
+
+    def create_repo(self, repo_id, **kw):
+        return f"https://hub.invalid/{repo_id}"
+
+    def upload_folder(self, folder_path, allow_patterns, **kw):
+        self.entered.set()
+        assert self.release.wait(120)
+        self.sent = {p: open(os.path.join(folder_path, p), "rb").read() for p in allow_patterns}
+
+
+def test_s14_overwrite_is_refused_while_an_upload_reads_dst(converted, dst):
+    """S14: `mxfp4-to-int4 --overwrite` (another scale rule) succeeded while `upload` of the same DST
+    waited on the Hub, which then committed files it never verified. The upload holds DST's read
+    lock: the overwrite is refused (exit 4) naming the upload, and the upload sends what it verified."""
+    import threading
+
+    from converter.verify import verify
+
+    src = converted[0]
+    before = {f: open(os.path.join(dst, f), "rb").read() for f, _ in upload_files(dst)}
+    api = _BlockingApi()
+    done: dict = {}
+    t = threading.Thread(target=lambda: done.update(res=upload(dst, REPO, api=api)), daemon=True)
+    t.start()
+    assert api.entered.wait(120), "the upload never reached the Hub"
+    try:
+        res = CliRunner().invoke(main, ["mxfp4-to-int4", src, "-o", dst, "--overwrite",
+                                        "--scale-rule", "vllm-gfx942", "--progress", "none"])
+        assert res.exit_code == 4, res.output
+        assert "an upload of it is in progress" in res.stderr and "\n" not in res.stderr.strip(), res.stderr
+        finalize = CliRunner().invoke(main, ["finalize", dst])
+        assert finalize.exit_code == 4 and "an upload of it is in progress" in finalize.stderr, finalize.output
+    finally:
+        api.release.set()
+        t.join(120)
+    assert done["res"].method == "upload_folder"
+    assert {p: b for p, b in api.sent.items() if p != "README.md"} == before  # what verify accepted, unchanged
+    assert verify(dst).ok
+    # with the upload done, the overwrite goes ahead
+    res = CliRunner().invoke(main, ["mxfp4-to-int4", src, "-o", dst, "--overwrite", "--scale-rule", "vllm-gfx942",
+                                    "--progress", "none"])
+    assert res.exit_code == 0, res.output
+
+
+def test_s14_upload_is_refused_while_a_run_changes_dst(dst):
+    """The other side of the lock: while a run changes DST (it holds read.lock exclusively), an
+    upload is refused at once (exit 4), before it verifies or contacts the Hub."""
+    from converter.manifest import writing
+
+    with writing(dst):
+        res = CliRunner().invoke(main, ["upload", dst, REPO])
+    assert res.exit_code == 4 and "a k3convert run is changing it" in res.stderr, res.output

@@ -396,8 +396,8 @@ def _k3_selection(layers: int = 61, experts: int = 384):
 def test_fast_selection_equals_the_loaders_matcher_on_every_module(edit, monkeypatch):
     """selection_problems decides most experts without compressed-tensors' ``is_match``: its verdicts
     equal ``is_match`` on every module (CHECKED_BY_LOADER large: the loader decides all)."""
-    from converter import verify as v
     from converter.formats.checkpoint import quant_blocks
+    from converter.verify import selection as v
 
     cfg, converted, plain = _k3_selection(layers=6, experts=64)
     block = cfg["text_config"]["quantization_config"]
@@ -425,8 +425,8 @@ def test_fast_selection_equals_the_loaders_matcher_on_every_module(edit, monkeyp
 
 def test_fast_selection_defers_to_the_loader_when_they_disagree(monkeypatch):
     """Should compressed-tensors' matcher ever decide a sampled module otherwise, it decides all."""
-    from converter import verify as v
     from converter.formats.checkpoint import quant_blocks
+    from converter.verify import selection as v
 
     cfg, converted, plain = _k3_selection(layers=2, experts=8)
     lost = converted[3]

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from ..errors import BadInput
+from .. import activation_fields as activation_reader
 from ..safepath import plain_name, source_file
 from . import compressed_tensors, fp8_mxfp4, json_input, quark  # noqa: F401  (importing a dialect registers it)
 from .dialect import (DIALECTS, DROP_FLAG, EXPERT_TARGET, MXFP4_FORMAT, PACKED, SCALE, SHAPE, MXFP4Source,  # noqa: F401
@@ -21,7 +22,7 @@ from .dialect import (DIALECTS, DROP_FLAG, EXPERT_TARGET, MXFP4_FORMAT, PACKED, 
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-SITU_FIELDS = ("hidden_act", "activation_situ_beta", "activation_situ_linear_beta")
+SITU_FIELDS = activation_reader.SITU_FIELDS
 
 
 def load_json(path: str) -> dict:
@@ -79,17 +80,15 @@ def mxfp4_source(config: dict, config_path: str, drop: bool = False, dialect_nam
 
 # ---------------------------------------------------------------------------- activation
 
-def activation_fields(config: dict, keys: tuple[str, ...] = ()) -> dict[str, tuple[Any, str]]:
-    """Each activation field present (SiTU's, and ``keys``): (value, "text_config" or "top-level"),
-    nested first."""
-    found = {}
-    for key in dict.fromkeys(SITU_FIELDS + tuple(keys)):
-        nested = config.get("text_config")
-        for where, scope in (("text_config", nested if isinstance(nested, dict) else {}), ("top-level", config)):
-            if key in scope:
-                found[key] = (scope[key], where)
-                break
-    return found
+def activation_fields(config: dict, keys: tuple[str, ...] = (), config_path: str | None = None
+                      ) -> dict[str, tuple[Any, str]]:
+    """Each activation field the model reads (SiTU's, and ``keys``): (value, "text_config" or
+    "top-level"); a field stated at top level beside a text_config that lacks it or says otherwise
+    is refused (converter.activation_fields, the one reader)."""
+    try:
+        return activation_reader.find(config, SITU_FIELDS + tuple(keys))
+    except activation_reader.ActivationConflict as e:
+        raise BadInput(str(e), file=config_path) from None
 
 
 NULLABLE_ACTIVATION = ("activation_situ_linear_beta",)   # null: the up projection is not clipped (vLLM's SituAndMul)
@@ -108,32 +107,28 @@ def activation_type_problem(key: str, value: Any) -> str | None:
     return None
 
 
-def activation(config: dict, config_path: str, required: tuple[str, ...] = ("hidden_act",)) -> dict[str, Any]:
-    """The expert activation and its parameters (SPEC §4), from text_config or top level.
+def activation(config: dict, config_path: str, required: tuple[str, ...] = ("hidden_act",),
+               optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The expert activation and its parameters (SPEC §4), where the model reads them
+    (``activation_fields``), every field stated type-checked, the optional ones included.
 
     Refuses a checkpoint whose activation cannot be stated: a kernel that assumes SiLU
     would load the result fine and produce garbage.
     """
-    nested = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    conflicts = [f"text_config.{k} is {nested[k]!r} but top-level {k} is {config[k]!r}"
-                 for k in dict.fromkeys(SITU_FIELDS + tuple(required)) if k in nested and k in config
-                 and nested[k] != config[k]]
-    if conflicts:
-        raise BadInput("conflicting activation fields: " + "; ".join(conflicts) + ": cannot tell which one the "
-                       "experts use", file=config_path)
-    fields = activation_fields(config, required)
+    fields = activation_fields(config, tuple(required) + tuple(optional), config_path)
     wrong = [f"{where}.{key} is {value!r}: {why}" if where == "text_config" else f"{key} is {value!r}: {why}"
              for key, (value, where) in fields.items() if (why := activation_type_problem(key, value))]
     if wrong:
         raise BadInput("activation field of the wrong type: " + "; ".join(wrong), file=config_path)
     act = {key: value for key, (value, _) in fields.items()}
     if act.get("hidden_act") == "situ":
-        required = tuple(dict.fromkeys(required + SITU_FIELDS))
+        required = tuple(dict.fromkeys(tuple(required) + SITU_FIELDS))
     missing = [k for k in required if k not in act]
     if missing:
         said = f"hidden_act is {act['hidden_act']!r} but " if "hidden_act" in act else ""
-        raise BadInput(f"{said}{', '.join(missing)} missing in text_config and at top level: cannot state "
-                       "the expert activation", file=config_path)
+        where = "in text_config" if activation_reader.nested(config) is not None else "in config.json"
+        raise BadInput(f"{said}{', '.join(missing)} missing {where}: cannot state the expert activation",
+                       file=config_path)
     return act
 
 

@@ -81,6 +81,11 @@ class MXFP4Source:
                 "scale_convention": self.scale_note, "dropped": list(self.dropped),
                 **({"renamed": [list(r) for r in self.renames]} if self.renames else {})}
 
+    def tensor_problems(self, tensors: Any) -> list[str]:
+        """What the dialect refuses in the checkpoint's tensors beyond the MXFP4 pairs (name -> TensorInfo),
+        one line each naming file and tensor; the dialects that pass other quantized tensors through check them."""
+        return []
+
     def seen(self, tensors: Any) -> "MXFP4Source":
         """This source, told the checkpoint's tensor names (a dialect whose config depends on them
         returns a copy that records what it needs)."""

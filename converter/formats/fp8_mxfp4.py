@@ -54,6 +54,32 @@ class Fp8Mxfp4Source(MXFP4Source):
     def seen(self, tensors: Any) -> "Fp8Mxfp4Source":
         return replace(self, fp8_modules=tuple(sorted(n[: -len(FP8_SCALE)] for n in tensors if n.endswith(FP8_SCALE))))
 
+    def tensor_problems(self, tensors: Any) -> list[str]:
+        """Each FP8 linear as vLLM's Fp8LinearMethod loads it (fp8.py 338-339): ``X.weight`` F8_E4M3 and
+        ``X.weight_scale_inv`` F32, one per weight block; and no ``X.weight_scale`` beside it, the name the
+        scale is written under in DST (two tensors of one name: a worker error, or an index that drops one)."""
+        out = []
+        for name, t in tensors.items():
+            if not name.endswith(FP8_SCALE):
+                continue
+            module = name[: -len(FP8_SCALE)]
+            where, w, clash = f"file {t.path}, tensor {name}", tensors.get(f"{module}.weight"), \
+                tensors.get(module + CT_SCALE)
+            if clash is not None:
+                out.append(f"file {clash.path}, tensor {clash.name}: beside {name} ({t.path}), which k3convert "
+                           f"writes as {clash.name}: two tensors of one name in DST; remove one of them")
+            elif t.dtype != "F32":
+                out.append(f"{where}: {t.dtype}, expected F32 (the FP8 block scale vLLM's Fp8LinearMethod loads)")
+            elif w is None:
+                out.append(f"{where}: no {module}.weight for it in any shard")
+            elif w.dtype != "F8_E4M3":
+                out.append(f"file {w.path}, tensor {w.name}: {w.dtype} beside the FP8 block scale {name}, expected "
+                           "F8_E4M3 (the e4m3 weight vLLM's Fp8LinearMethod loads)")
+            elif len(w.shape) != 2 or t.shape != tuple(-(-d // b) for d, b in zip(w.shape, self.weight_block)):
+                out.append(f"{where}: shape {list(t.shape)}, expected one scale per {list(self.weight_block)} block "
+                           f"of the weight {list(w.shape)}")
+        return out
+
     def int4_config(self, config: dict, converted: list[str], unconverted: list[str],
                     rule: str = DEFAULT_RULE) -> dict:
         """The FP8 block replaced by compressed-tensors: int4 experts (group 0, ``int4_targets``) and

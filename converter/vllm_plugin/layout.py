@@ -1,4 +1,7 @@
-"""k3convert int4 experts -> the layout AITER's packed-int4 a16w4 MoE kernel reads (torch only).
+"""k3convert int4 experts -> the layout AITER's packed-int4 a16w4 MoE kernel reads.
+
+On a GPU ``convert_experts_`` runs one fused Triton pass (``layout_kernel``); the torch functions here
+are the CPU path, the readable statement of the layout, and what the load-time probe compares with aiter.
 
 Integer permutations only: no value is dequantized or requantized. The target is what vLLM 0.33's
 load-time path (`quantization/mxfp4.py` `_setup_kernel_k3_situ_gfx942`) hands aiter on gfx942:
@@ -52,14 +55,25 @@ def scales_to_aiter(scales: torch.Tensor) -> torch.Tensor:
 
 
 def convert_experts_(words: torch.Tensor, scales: torch.Tensor,
-                     chunk: int = CHUNK_EXPERTS) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lay out all of a layer's experts IN PLACE, `chunk` experts at a time.
 
     Each expert's packed bytes take exactly its words' storage (N * K/2 bytes) and the layout never
     crosses experts, so the result overwrites the source: transient memory is one chunk. Returns views
     of the same storage: (uint8 [E, N, K/2], bf16 flat [E * G/2 * N * 2]), the shapes the load-time
-    path leaves. `words` [E, N, K/8] int32 and `scales` [E, N, G] must be contiguous.
+    path leaves. `words` [E, N, K/8] int32 and `scales` [E, N, G] must be contiguous. On a GPU this is
+    layout_kernel's one Triton pass (chunk default: 128 MiB of experts); on the CPU the torch passes below
+    (chunk default: CHUNK_EXPERTS).
     """
+    if words.is_cuda:          # CUDA and ROCm alike
+        from . import layout_kernel
+        return layout_kernel.convert_experts_(words, scales, chunk)
+    return convert_experts_torch_(words, scales, chunk or CHUNK_EXPERTS)
+
+
+def convert_experts_torch_(words: torch.Tensor, scales: torch.Tensor,
+                           chunk: int = CHUNK_EXPERTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """convert_experts_ in torch passes on any device (the CPU path; on a GPU, the bench's "before")."""
     e, n, k8 = words.shape
     g = scales.shape[-1]
     out_w = words.view(torch.uint8).view(e, n, k8 * 4)

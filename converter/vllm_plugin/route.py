@@ -7,8 +7,11 @@ The facts about the machine (platform, GPU, aiter, vLLM version) are gathered by
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
+
+from ..activation_fields import SITU_FIELDS, ActivationConflict, find as find_activation
 
 NAME = "k3convert-int4-gfx942"
 VLLM_SERIES = "0.33."                          # the vLLM the layout and kernel build were written for
@@ -37,6 +40,7 @@ class Machine:
     gemm1: Callable[..., Any] | None = None    # aiter's flydsl_a16w4_gemm1, None if it cannot be imported
     gemm1_error: str = ""                      # why it could not be imported (aiter's own words)
     gpu: str = ""                              # the GPU's name as vLLM reports it, for messages
+    aiter_found: bool = True                   # vLLM found the aiter package (_aiter_ops.py is_aiter_found)
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -63,6 +67,16 @@ def size_problem(hidden: int, inter_per_rank: int) -> str | None:
         return (f"hidden size {hidden} or per-rank intermediate size {inter_per_rank} is not a multiple "
                 f"of {ALIGN}")
     return check_dims(2 * inter_per_rank, hidden) or check_dims(hidden, inter_per_rank)
+
+
+def situ_fields(hf_config: Any) -> dict[str, Any]:
+    """K3's SiTU fields where vLLM's KimiMoE reads them, by the converter's own reader
+    (converter.activation_fields); a field stated at top level beside text_config is refused: vLLM
+    would build the experts from text_config's (KimiLinearConfig's default hidden_act is silu)."""
+    try:
+        return {k: v for k, (v, _) in find_activation(hf_config, SITU_FIELDS).items()}
+    except ActivationConflict as e:
+        raise Refused(f"config.json {e}") from None
 
 
 def text_config(hf_config: Any) -> Any:
@@ -166,7 +180,7 @@ def is_k3_int4(quant_cfg: Any, user_quant: str | None, hf_config: Any) -> bool:
         return False
     if quant_cfg.get("quant_method") != "compressed-tensors" or not is_kimi_k3(hf_config):
         return False
-    return bool(int4_groups(quant_cfg)) and _get(text_config(hf_config), "hidden_act") == "situ"
+    return bool(int4_groups(quant_cfg)) and situ_fields(hf_config).get("hidden_act") == "situ"
 
 
 def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
@@ -177,6 +191,8 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
     stock vLLM serves SiTU int4 (Marlin) or has no ROCm kernel question. On ROCm a K3 int4 SiTU
     checkpoint is served by the plugin or refused in one line: stock vLLM there would dequantize it
     to bf16 (EMULATION: out of memory at K3's size) or, with --moe-backend flydsl on gfx950, compute SiLU.
+    A K3 int4 config whose SiTU fields sit at top level beside text_config is refused on every platform
+    (`situ_fields`): vLLM would build its experts from text_config's, SiLU by default.
     """
     if not is_k3_int4(quant_cfg, user_quant, hf_config):
         return None
@@ -187,6 +203,11 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
         raise Refused(f"this GPU ({m.gpu or 'not gfx942'}) is not gfx942: the packed-int4 SiTU kernel the plugin "
                       "uses is vLLM's gfx942 route, and stock vLLM here would dequantize the experts to bf16 or "
                       "compute SiLU (--moe-backend flydsl); on gfx950 serve the MXFP4 original; " + OFF)
+    if not m.aiter_found:
+        raise Refused("aiter is not installed: vLLM's AITER switches answer None without it (vLLM 0.33.0 "
+                      "_aiter_ops.py 279-291), whatever VLLM_ROCM_USE_AITER says; install ROCm/aiter (an image "
+                      "with aiter, e.g. vLLM's ROCm image) and set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1; "
+                      + OFF)
     if not m.aiter_moe_enabled:
         raise Refused("AITER MoE is off: set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1 (stock vLLM would "
                       "dequantize the int4 experts to bf16: about 4x their memory); " + OFF)
@@ -199,7 +220,7 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
                              group.get("format", quant_cfg.get("format")))
         if why is not None:
             raise Refused(f"quantization_config.config_groups.{name}: {why}")
-    if _get(text_config(hf_config), "activation_situ_linear_beta") is None:
+    if situ_fields(hf_config).get("activation_situ_linear_beta") is None:
         raise Refused("config.json has no activation_situ_linear_beta (K3's SiTUv2 needs it)")
     return NAME
 
@@ -208,10 +229,11 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
 # otherwise (models/kimi_k3/amd/linear.py 227-236, nvidia/model.py 419-428: getattr(config, KIMI_MIN_KEY, 256))
 KIMI_MIN_PER_RANK = 256
 KIMI_MIN_KEY = "min_moe_intermediate_per_partition"
-# vLLM releases whose KimiMoE cannot build a padded layer: it zeroes the padding through
+# vLLM release series whose KimiMoE cannot build a padded layer: it zeroes the padding through
 # `self.experts.w13_weight_packed`, but self.experts is the MoE runner, which holds no such attribute
-# (amd/linear.py 349-357: AttributeError; seen running vLLM's own KimiMoE, tests/test_vllm_plugin_e2e.py)
-PADDING_CRASHES = ("0.33.0",)
+# (amd/linear.py 349-357: AttributeError; seen running vLLM's own KimiMoE, tests/test_vllm_plugin_e2e.py).
+# Matched by release series (0.33.0, 0.33.1, 0.33.0+rocm..., 0.33.1rc1, ...), not one version string.
+PADDING_CRASHES = ((0, 33),)
 PADDING_FIX = ("serve with a TP size of at most 12 (K3: 3072 / TP >= 256), e.g. --tensor-parallel-size 8 "
                "--pipeline-parallel-size 2, or --data-parallel-size 2 --tensor-parallel-size 8 "
                "--enable-expert-parallel")
@@ -234,10 +256,21 @@ def kimi_padded(inter: int, tp: int, minimum: int = KIMI_MIN_PER_RANK) -> tuple[
     return None if pad == per else (per, pad)
 
 
+def release_series(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string ('0.33.1+rocm7.0' -> (0, 33)), None if unreadable."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\D|$)", version or "")
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def padding_crashes(vllm_version: str) -> bool:
+    """Whether this vLLM's KimiMoE crashes building a padded layer (every build of a PADDING_CRASHES series)."""
+    return release_series(vllm_version) in PADDING_CRASHES
+
+
 def padding_refusal(inter: int, tp: int, minimum: int, vllm_version: str) -> str | None:
     """Why the plugin refuses this split under this vLLM (its KimiMoE would crash padding it), or None."""
     padded = kimi_padded(inter, tp, minimum)
-    if padded is None or vllm_version not in PADDING_CRASHES:
+    if padded is None or not padding_crashes(vllm_version):
         return None
     return (f"at TP {tp} vLLM {vllm_version}'s KimiMoE pads the per-rank intermediate size {padded[0]} to "
             f"{padded[1]} and cannot build that layer (it zeroes the padding through "

@@ -37,9 +37,12 @@ def machine() -> route.Machine:
         gpu = str(current_platform.get_device_name())
     except Exception:  # noqa: BLE001 - for messages only
         gpu = ""
+    found = True
     try:
-        from vllm._aiter_ops import rocm_aiter_ops
-        moe_on = bool(rocm_aiter_ops.is_fused_moe_enabled())
+        from vllm import _aiter_ops
+        found = bool(getattr(_aiter_ops, "IS_AITER_FOUND", True))   # find_spec("aiter"), _aiter_ops.py 113-123
+        # None (not False) without aiter: if_aiter_supported (_aiter_ops.py 279-291) skips the switch
+        moe_on = bool(_aiter_ops.rocm_aiter_ops.is_fused_moe_enabled())
     except Exception:  # noqa: BLE001
         moe_on = False
     gemm1, error = None, ""
@@ -48,7 +51,7 @@ def machine() -> route.Machine:
             from aiter.ops.flydsl.kernels.moe_2stage_a16wmix import flydsl_a16w4_gemm1 as gemm1
         except Exception as exc:  # noqa: BLE001 - reported by route.gemm1_problem, aiter's words kept
             error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    return route.Machine(True, gfx942, moe_on, getattr(vllm, "__version__", ""), gemm1, error, gpu)
+    return route.Machine(True, gfx942, moe_on, getattr(vllm, "__version__", ""), gemm1, error, gpu, found)
 
 
 class K3Int4Gfx942Config(CompressedTensorsConfig):

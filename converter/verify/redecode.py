@@ -1,0 +1,99 @@
+"""Checks "re-decode" and "optimality" / "scale rule" (with --source): sampled experts decoded from
+SRC's MXFP4 bytes and from DST's int4 (``reader``) must give the error the figure table records
+(to REL_TOL), and their groups must be the exact optimum (or the server rule's bytes)."""
+from __future__ import annotations
+
+import math
+
+from ..checks import Check
+from ..formats import checkpoint as ckpt
+from ..plan import PACKED, SCALE, SHAPE
+from ..quant.rules import OPTIMA
+from .context import Context
+from .dst import scale_rule
+from .optimum import brute_force_min, has_minus_8, same_as_rule
+from .reader import Tensors, int4_reader
+from .sample import spread
+
+REL_TOL = 1e-6         # re-decoded relative RMSE vs the recorded figure
+OPT_GROUPS = 8         # groups per tensor checked against a brute-force optimum
+OPT_TENSORS = 8        # tensors whose groups are checked that way (the first sampled ones)
+
+
+def run(ctx: Context) -> list[Check]:
+    d = ctx.dst
+    if ctx.source is None:
+        where = (d.manifest.get("source") or {}).get("path")
+        return [Check("re-decode", f"not run: give --source (the manifest names {where})", skipped=True)]
+    import torch
+
+    from ..formats import mxfp4
+
+    src, rows, result = ctx.source, ctx.rows, ctx.result
+    src_wm = ckpt.weight_map(src)   # BadInput (exit 2) when the source is unreadable
+    c = Check("re-decode")
+    rule = scale_rule(d)
+    opt = Check("optimality" if rule in OPTIMA else "scale rule")  # vllm-gfx942 is not the optimum
+    result.decoder, read_int4 = int4_reader()
+    s_t, d_t = Tensors(src, src_wm), Tensors(d.path, {t: s for t, (s, _) in d.where.items()})
+    # the source's dialect, as the conversion recorded it: tensor names and E8M0 bias
+    quant = (d.manifest.get("source") or {}).get("quantization") or {}
+    packed_suffix, bias = quant.get("packed_suffix", PACKED), int(quant.get("scale_bias", 127))
+    names = spread(sorted(rows), ctx.sample)
+    worst_dev, opt_groups = 0.0, 0
+    for i, name in enumerate(names):
+        m = name[: -len(PACKED) - 1]
+        try:
+            src_packed, src_scales = s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{SCALE}")
+            w = mxfp4.decode(src_packed, src_scales, bias, torch.float64)
+        except KeyError as e:
+            c.fail(f"{m}: the source has no {e.args[0]}")
+            continue
+        try:
+            shape = d_t.get(f"{m}.{SHAPE}").tolist()
+            if shape != list(w.shape):
+                c.fail(f"{m}: {SHAPE} {shape}, the source is {list(w.shape)}")
+                continue
+            words, int4_scales = d_t.get(f"{m}.{PACKED}"), d_t.get(f"{m}.{SCALE}")
+            wq = read_int4(words, int4_scales, shape)
+        except Exception as e:  # missing or malformed output tensors: the structure checks say which
+            c.fail(f"{m}: cannot be read back ({type(e).__name__}: {e})")
+            continue
+        bad = int((~torch.isfinite(wq)).sum())
+        if bad:
+            c.fail(f"{m}: {bad} non-finite int4 value(s)")
+            continue
+        diff = wq - w
+        err2, ref2 = float((diff * diff).sum()), float((w * w).sum())
+        rel = math.sqrt(err2 / ref2) if ref2 > 0 else (0.0 if err2 == 0 else math.inf)
+        want = rows[name]["rel_rmse"]
+        dev = abs(rel - want) / max(abs(want), 1e-30) if rel != want else 0.0
+        worst_dev = max(worst_dev, dev)
+        if dev > REL_TOL:
+            c.fail(f"{name}: re-decoded relative RMSE {rel:.9g}, table says {want:.9g} (off by {dev:.2e} relative)")
+        max_abs = float(diff.abs().max()) if diff.numel() else 0.0
+        if abs(max_abs - rows[name]["max_abs"]) > REL_TOL * max(rows[name]["max_abs"], 1e-30):
+            c.fail(f"{name}: re-decoded max abs error {max_abs:.9g}, table says {rows[name]['max_abs']:.9g}")
+        if OPTIMA.get(rule, -8) > -8 and has_minus_8(words):
+            opt.fail(f"{m}: code -8 written, outside the {rule} rule's range [{OPTIMA[rule]}, 7]")
+        if rule not in OPTIMA:
+            opt_groups += same_as_rule(m, src_packed, src_scales, bias, words, int4_scales, opt)
+        elif i < OPT_TENSORS:
+            g_err = (diff * diff).reshape(-1, 32).sum(1)
+            picks = torch.unique(torch.cat((g_err.topk(min(OPT_GROUPS // 2, g_err.numel())).indices,
+                                            torch.linspace(0, g_err.numel() - 1, OPT_GROUPS // 2).long())))
+            best = brute_force_min(w.reshape(-1, 32)[picks], OPTIMA[rule])
+            for g, e, b in zip(picks.tolist(), g_err[picks].tolist(), best.tolist()):
+                if e > b * (1 + 1e-12) + 1e-300:
+                    opt.fail(f"{m}: group {g} has squared error {e:.6g}, the best bf16 scale gives {b:.6g}")
+            opt_groups += len(picks)
+    result.sampled = len(names)
+    c.summary = (f"{len(names)} of {len(rows)} tensor(s) from the source bytes; largest deviation from the "
+                 f"table {worst_dev:.1e} (limit {REL_TOL:g}); int4 read by {result.decoder}")
+    opt.summary = f"{opt_groups} group(s) of {min(len(names), OPT_TENSORS)} tensor(s) vs every bf16 scale" \
+        + (f" (codes [{OPTIMA[rule]}, 7]; no -8 in {len(names)} tensor(s))" if OPTIMA[rule] > -8 else "") \
+        if rule in OPTIMA else f"{opt_groups} group(s) of {len(names)} tensor(s) byte-identical to the {rule} rule " \
+        "(quant/server_rule.py) applied to the source bytes"
+    if not names:
+        c.skipped = opt.skipped = True
+    return [c, opt]
