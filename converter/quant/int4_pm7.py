@@ -1,0 +1,126 @@
+"""``optimal-pm7`` applied to int4 groups already stored: re-optimize groups that use code -8 over [-7, 7].
+
+Why: a kernel that misreads code -8 (the vLLM plugin's self-test finds it on the user's GPU) can still
+serve a checkpoint converted with ``optimal`` if every group holding -8 is replaced by the exact
+least-squares optimum over codes [-7, 7] (the ``optimal-pm7`` rule, rules.OPTIMA) of the values the
+checkpoint stores, ``q * s``. The rule's MXFP4 tables (tables.py) are built for E2M1 inputs; here the
+inputs are int4 codes, so the same optimum (every positive normal bf16 scale, nearest code, ties to
+the larger scale) is searched over the int4 alphabet with tables of the same kind: a group's error
+depends only on its code histogram, its scale's bf16 mantissa and the candidate scale. Exact: every
+quantity is a small integer times a power of two in float64. ``verify.brute_force_min`` (an
+independent search) checks it in tests/test_int4_pm7.py.
+
+Candidates: a group holding -8 has largest |value| a = 8|s|; verify.brute_force_min shows that only
+scales in [a/16, 2a] = [|s|/2, 16|s|] can win, i.e. the 641 bf16 bit patterns from bits(|s|) - 128 to
+bits(|s|) + 512.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .rules import OPTIMA
+
+QMIN = OPTIMA["optimal-pm7"]   # -7
+QMAX = 7
+CODES = torch.arange(-8, 9)    # |s| folds a negative scale's sign into the codes: -q may be +8
+LO, HI = -128, 512             # candidate bit offsets from bits(|s|) (see the module docstring)
+BF16_MIN_NORMAL, BF16_MAX_FINITE = 0x0080, 0x7F7F
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per scale mantissa (128), candidate (641) and code (-8..8): the new code, and the squared
+    error in units of 2**(2e) (e: the old scale's exponent), exact in float64."""
+    mb = torch.arange(128, dtype=torch.int64)[:, None]
+    j = torch.arange(LO, HI + 1, dtype=torch.int64)[None, :]
+    rel = mb + j                                                 # candidate bits - exponent bits of s
+    big = torch.ldexp(1.0 + (rel % 128).double() / 128, (rel // 128).to(torch.int32))   # S / 2**e
+    small = 1.0 + mb.double() / 128                              # |s| / 2**e
+    k = CODES.double()[None, None, :]
+    v = k * small[:, :, None]                                    # the stored value / 2**e
+    # nearest code in [QMIN, QMAX], ties towards zero (tables.best_q's rule): try every level
+    levels = torch.arange(QMIN, QMAX + 1).double()
+    levels = levels[torch.argsort(levels.abs(), stable=True)]
+    err = (levels[None, None, None, :] * big[:, :, None, None] - v[..., None]) ** 2
+    best = err.argmin(dim=-1)
+    q = levels[best]
+    score = err.gather(-1, best[..., None]).squeeze(-1)
+    return q.to(torch.int8).to(device), score.to(device)
+
+
+@dataclass
+class Repair:
+    """What re-optimizing cost, in absolute float64 units over the groups given."""
+
+    groups: int          # groups given
+    repaired: int        # groups that held -8 and were re-optimized
+    err2: float          # sum (new value - stored value)^2
+    ref2: float          # sum stored value^2
+
+    @property
+    def rel_rmse(self) -> float:
+        return (self.err2 / self.ref2) ** 0.5 if self.ref2 > 0 else 0.0
+
+    def __add__(self, other: "Repair") -> "Repair":
+        return Repair(self.groups + other.groups, self.repaired + other.repaired,
+                      self.err2 + other.err2, self.ref2 + other.ref2)
+
+
+def repair_groups_(codes: torch.Tensor, scales: torch.Tensor) -> Repair:
+    """In place: every group [32] of ``codes`` (int8 [G, 32], in [-8, 7]) that holds -8 gets the
+    ``optimal-pm7`` codes and bf16 scale (``scales`` bf16 [G]) of its stored values q * s.
+
+    Groups without -8 are untouched (their codes are already the optimum's in [-7, 7] only if the
+    checkpoint was so converted; they are left as stored). A group whose scale is 0 or not finite has
+    its -8 codes set to 0 (0 * s is what a scale of 0 gives; a non-finite scale is not served anyway).
+    """
+    if codes.numel() == 0:
+        return Repair(0, 0, 0.0, 0.0)
+    has = (codes == -8).any(dim=1)
+    rows = has.nonzero().squeeze(1)
+    out = Repair(codes.shape[0], int(rows.numel()), 0.0, 0.0)
+    if rows.numel() == 0:
+        return out
+    q, score = _tables(str(codes.device))
+    c = codes.index_select(0, rows)
+    s = scales.index_select(0, rows)
+    sf = s.float()
+    bad = ~torch.isfinite(sf) | (s.abs().view(torch.int16) < BF16_MIN_NORMAL)   # 0, subnormal
+    sign = torch.where(sf < 0, -1, 1).to(torch.int8)
+    k = (c * sign[:, None]).long() + 8                           # index into CODES (-8..8)
+    bits = s.abs().view(torch.int16).long()
+    mb, ebits = bits & 127, bits >> 7                            # mantissa bits; exponent field
+    hist = torch.zeros(c.shape[0], CODES.numel(), dtype=torch.float64, device=c.device)
+    hist.scatter_add_(1, k, torch.ones_like(k, dtype=torch.float64))
+    err = torch.empty(c.shape[0], HI - LO + 1, dtype=torch.float64, device=c.device)
+    for m in mb.unique().tolist():                               # one matmul per scale mantissa
+        sel = (mb == m).nonzero().squeeze(1)
+        err[sel] = hist.index_select(0, sel) @ score[m].T
+    cand = bits[:, None] + torch.arange(LO, HI + 1, device=c.device)[None, :]
+    err = torch.where((cand >= BF16_MIN_NORMAL) & (cand <= BF16_MAX_FINITE), err, torch.inf)
+    # argmin, ties to the larger scale (the optimal rule's tie-break): search from the top
+    j = (HI - LO) - err.flip(1).argmin(dim=1)
+    new_codes = q[mb[:, None], j[:, None], k] * sign[:, None]
+    new_bits = (bits + LO + j).to(torch.int16)
+    new_s = new_bits.view(torch.bfloat16) * torch.where(sf < 0, -1.0, 1.0).to(torch.bfloat16)
+    unit = torch.ldexp(torch.ones_like(sf, dtype=torch.float64), (ebits - 127).to(torch.int32))
+    best = err.gather(1, j[:, None]).squeeze(1) * unit * unit
+    stored = (c.double() * sf.double()[:, None]).pow(2).sum(1)
+    zeroed = torch.where(c == -8, torch.zeros_like(c), c)
+    new_codes = torch.where(bad[:, None], zeroed, new_codes)
+    new_s = torch.where(bad, s, new_s)
+    best = torch.where(bad, torch.zeros_like(best), best)
+    codes[rows] = new_codes
+    scales[rows] = new_s
+    good = ~bad
+    out.err2 = float(best[good].sum())
+    out.ref2 = float(stored[good].sum())
+    return out
+
+
+def stored_ref2(codes: torch.Tensor, scales: torch.Tensor) -> float:
+    """sum (q * s)^2 over groups [G, 32] int8 codes and [G] scales: the denominator of a layer's figure."""
+    return float((codes.double().pow(2).sum(1) * scales.double().pow(2)).sum())
