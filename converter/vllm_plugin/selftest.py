@@ -202,8 +202,13 @@ class Outcome:
     @property
     def problem(self) -> str | None:
         """None when every variant passed; else each failing variant's diagnosis."""
-        bad = [f"tile {v.tile} ({v.tokens} tokens): {v.problem}" for v in self.variants if v.problem]
-        return "; ".join(bad) or None
+        by_problem: dict[str, list[Variant]] = {}
+        for v in self.variants:
+            if v.problem:
+                by_problem.setdefault(v.problem, []).append(v)
+        parts = [f"{'tiles' if len(vs) > 1 else 'tile'} {', '.join(str(v.tile) for v in vs)} "
+                 f"({', '.join(str(v.tokens) for v in vs)} tokens): {why}" for why, vs in by_problem.items()]
+        return "; ".join(parts) or None
 
     @property
     def minus_eight_misread(self) -> bool:
