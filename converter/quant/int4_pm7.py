@@ -28,6 +28,7 @@ QMAX = 7
 CODES = torch.arange(-8, 9)    # |s| folds a negative scale's sign into the codes: -q may be +8
 LO, HI = -128, 512             # candidate bit offsets from bits(|s|) (see the module docstring)
 BF16_MIN_NORMAL, BF16_MAX_FINITE = 0x0080, 0x7F7F
+CHUNK_GROUPS = 1 << 15
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,17 +74,22 @@ def repair_groups_(codes: torch.Tensor, scales: torch.Tensor) -> Repair:
     """In place: every group [32] of ``codes`` (int8 [G, 32], in [-8, 7]) that holds -8 gets the
     ``optimal-pm7`` codes and bf16 scale (``scales`` bf16 [G]) of its stored values q * s.
 
-    Groups without -8 are untouched (their codes are already the optimum's in [-7, 7] only if the
-    checkpoint was so converted; they are left as stored). A group whose scale is 0 or not finite has
-    its -8 codes set to 0 (0 * s is what a scale of 0 gives; a non-finite scale is not served anyway).
+    Groups without -8 are left as stored (a kernel that misreads only -8 reads them right). A group
+    whose scale is 0, subnormal or not finite has its -8 codes set to 0 (its values are 0, or the
+    layer is not servable anyway). ``err2``/``ref2`` cover the re-optimized groups only.
     """
     if codes.numel() == 0:
         return Repair(0, 0, 0.0, 0.0)
-    has = (codes == -8).any(dim=1)
-    rows = has.nonzero().squeeze(1)
+    rows = (codes == -8).any(dim=1).nonzero().squeeze(1)
     out = Repair(codes.shape[0], int(rows.numel()), 0.0, 0.0)
-    if rows.numel() == 0:
-        return out
+    for lo in range(0, rows.numel(), CHUNK_GROUPS):    # bounds the [groups, 641] float64 error matrix
+        err2, ref2 = _repair_rows_(codes, scales, rows[lo:lo + CHUNK_GROUPS])
+        out.err2 += err2
+        out.ref2 += ref2
+    return out
+
+
+def _repair_rows_(codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor) -> tuple[float, float]:
     q, score = _tables(str(codes.device))
     c = codes.index_select(0, rows)
     s = scales.index_select(0, rows)
@@ -110,15 +116,10 @@ def repair_groups_(codes: torch.Tensor, scales: torch.Tensor) -> Repair:
     best = err.gather(1, j[:, None]).squeeze(1) * unit * unit
     stored = (c.double() * sf.double()[:, None]).pow(2).sum(1)
     zeroed = torch.where(c == -8, torch.zeros_like(c), c)
-    new_codes = torch.where(bad[:, None], zeroed, new_codes)
-    new_s = torch.where(bad, s, new_s)
-    best = torch.where(bad, torch.zeros_like(best), best)
-    codes[rows] = new_codes
-    scales[rows] = new_s
+    codes[rows] = torch.where(bad[:, None], zeroed, new_codes)
+    scales[rows] = torch.where(bad, s, new_s)
     good = ~bad
-    out.err2 = float(best[good].sum())
-    out.ref2 = float(stored[good].sum())
-    return out
+    return float(best[good].sum()), float(stored[good].sum())
 
 
 def stored_ref2(codes: torch.Tensor, scales: torch.Tensor) -> float:
