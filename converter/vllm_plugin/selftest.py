@@ -7,8 +7,10 @@ through the layer's own ``apply`` (the very kernel call the model makes) and are
 float32 reference computed from the checkpoint's int4 codes and scales as compressed-tensors defines
 them (value = q * scale) and SiTU-GLU with the config's betas (SPEC §4). Tokens are scaled so that
 the gate and up projections reach the ranges where SiTU differs from SiLU and linear_beta clips.
-On a mismatch the alternatives that explain it (SiLU, no linear_beta, -8 read as 0 or +8) are tried,
-so the refusal names the fault it found.
+One probe per kernel variant serving reaches (aiter's M tile, chosen by token count: TILE_BANDS), so a
+prefill-only fault is caught too. On a mismatch the alternatives that explain it (SiLU, no linear_beta,
+-8 read as 0 or +8) are tried per variant, so the refusal names the fault it found, and a fault that
+only -8 explains can be repaired (repair.py) instead of refused.
 """
 from __future__ import annotations
 
