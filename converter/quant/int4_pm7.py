@@ -11,8 +11,14 @@ quantity is a small integer times a power of two in float64. ``verify.brute_forc
 independent search) checks it in tests/test_int4_pm7.py.
 
 Candidates: a group holding -8 has largest |value| a = 8|s|; verify.brute_force_min shows that only
-scales in [a/16, 2a] = [|s|/2, 16|s|] can win, i.e. the 641 bf16 bit patterns from bits(|s|) - 128 to
-bits(|s|) + 512.
+scales in [a/16, 2a] = [|s|/2, 16|s|] can win. Narrower, still exact: above a every code is -1, 0 or
+1 and lowering the scale to a (a bf16 value) brings each nonzero code's value closer, so no S > a
+wins; and every S in [|s|/2, |s|) has, code by code, at least the error of S = |s| (checked on the
+whole table when it is built: `_tables`), so with ties to the larger scale it never wins. That leaves
+the 385 bf16 bit patterns from bits(|s|) to bits(|s|) + 384 = bits(a).
+
+Cost: groups are taken by scale mantissa (128 classes), one float64 matmul [groups, 17] x [17, 385]
+per class and chunk; on the CPU of the bench machine about 10^4-10^5 groups/s (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -26,30 +32,39 @@ from .rules import OPTIMA
 QMIN = OPTIMA["optimal-pm7"]   # -7
 QMAX = 7
 CODES = torch.arange(-8, 9)    # |s| folds a negative scale's sign into the codes: -q may be +8
-LO, HI = -128, 512             # candidate bit offsets from bits(|s|) (see the module docstring)
+LO, HI = 0, 384                # candidate bit offsets from bits(|s|) (see the module docstring)
+BELOW = 128                    # offsets [-BELOW, 0): shown dominated by offset 0 when the table is built
 BF16_MIN_NORMAL, BF16_MAX_FINITE = 0x0080, 0x7F7F
 CHUNK_GROUPS = 1 << 15
 
 
-@functools.lru_cache(maxsize=None)
-def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per scale mantissa (128), candidate (641) and code (-8..8): the new code, and the squared
+def _score(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per scale mantissa (128), candidate offset lo..hi and code (-8..8): the new code, and the squared
     error in units of 2**(2e) (e: the old scale's exponent), exact in float64."""
     mb = torch.arange(128, dtype=torch.int64)[:, None]
-    j = torch.arange(LO, HI + 1, dtype=torch.int64)[None, :]
+    j = torch.arange(lo, hi + 1, dtype=torch.int64)[None, :]
     rel = mb + j                                                 # candidate bits - exponent bits of s
     big = torch.ldexp(1.0 + (rel % 128).double() / 128, (rel // 128).to(torch.int32))   # S / 2**e
     small = 1.0 + mb.double() / 128                              # |s| / 2**e
-    k = CODES.double()[None, None, :]
-    v = k * small[:, :, None]                                    # the stored value / 2**e
+    v = CODES.double()[None, None, :] * small[:, :, None]        # the stored value / 2**e
     # nearest code in [QMIN, QMAX], ties towards zero (tables.best_q's rule): try every level
     levels = torch.arange(QMIN, QMAX + 1).double()
     levels = levels[torch.argsort(levels.abs(), stable=True)]
     err = (levels[None, None, None, :] * big[:, :, None, None] - v[..., None]) ** 2
     best = err.argmin(dim=-1)
-    q = levels[best]
-    score = err.gather(-1, best[..., None]).squeeze(-1)
-    return q.to(torch.int8).to(device), score.to(device)
+    return levels[best].to(torch.int8), err.gather(-1, best[..., None]).squeeze(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new codes [128, 385, 17] and the scores transposed for the matmul [128, 17, 385], both with
+    the candidates largest first (index i is offset HI - i)."""
+    _, below = _score(-BELOW, 0)
+    if not (below[:, :-1] >= below[:, -1:]).all():     # every S < |s| is at least S = |s| code by code
+        raise AssertionError("int4_pm7: a scale below the stored one can win; widen the window")
+    q, score = _score(LO, HI)
+    # candidates largest first: argmin keeps the first minimum, i.e. ties go to the larger scale
+    return q.flip(1).contiguous().to(device), score.flip(1).transpose(1, 2).contiguous().to(device)
 
 
 @dataclass
@@ -82,15 +97,21 @@ def repair_groups_(codes: torch.Tensor, scales: torch.Tensor) -> Repair:
         return Repair(0, 0, 0.0, 0.0)
     rows = (codes == -8).any(dim=1).nonzero().squeeze(1)
     out = Repair(codes.shape[0], int(rows.numel()), 0.0, 0.0)
-    for lo in range(0, rows.numel(), CHUNK_GROUPS):    # bounds the [groups, 641] float64 error matrix
-        err2, ref2 = _repair_rows_(codes, scales, rows[lo:lo + CHUNK_GROUPS])
-        out.err2 += err2
-        out.ref2 += ref2
+    mb = scales.index_select(0, rows).abs().view(torch.int16).long() & 127
+    order = torch.argsort(mb, stable=True)                       # one scale mantissa at a time
+    rows, mb = rows[order], mb[order]
+    bounds = torch.searchsorted(mb, torch.arange(129, device=mb.device)).tolist()
+    for m in range(128):
+        for lo in range(bounds[m], bounds[m + 1], CHUNK_GROUPS):  # bounds the [groups, 385] error matrix
+            err2, ref2 = _repair_rows_(codes, scales, rows[lo:min(lo + CHUNK_GROUPS, bounds[m + 1])], m)
+            out.err2 += err2
+            out.ref2 += ref2
     return out
 
 
-def _repair_rows_(codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor) -> tuple[float, float]:
-    q, score = _tables(str(codes.device))
+def _repair_rows_(codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, m: int) -> tuple[float, float]:
+    """Repair ``rows`` (groups holding -8 whose scales all have mantissa bits ``m``) in place."""
+    q, score_t = _tables(str(codes.device))
     c = codes.index_select(0, rows)
     s = scales.index_select(0, rows)
     sf = s.float()
@@ -98,22 +119,19 @@ def _repair_rows_(codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor)
     sign = torch.where(sf < 0, -1, 1).to(torch.int8)
     k = (c * sign[:, None]).long() + 8                           # index into CODES (-8..8)
     bits = s.abs().view(torch.int16).long()
-    mb, ebits = bits & 127, bits >> 7                            # mantissa bits; exponent field
+    ebits = bits >> 7                                            # exponent field
     hist = torch.zeros(c.shape[0], CODES.numel(), dtype=torch.float64, device=c.device)
     hist.scatter_add_(1, k, torch.ones_like(k, dtype=torch.float64))
-    err = torch.empty(c.shape[0], HI - LO + 1, dtype=torch.float64, device=c.device)
-    for m in mb.unique().tolist():                               # one matmul per scale mantissa
-        sel = (mb == m).nonzero().squeeze(1)
-        err[sel] = hist.index_select(0, sel) @ score[m].T
-    cand = bits[:, None] + torch.arange(LO, HI + 1, device=c.device)[None, :]
-    err = torch.where((cand >= BF16_MIN_NORMAL) & (cand <= BF16_MAX_FINITE), err, torch.inf)
-    # argmin, ties to the larger scale (the optimal rule's tie-break): search from the top
-    j = (HI - LO) - err.flip(1).argmin(dim=1)
-    new_codes = q[mb[:, None], j[:, None], k] * sign[:, None]
-    new_bits = (bits + LO + j).to(torch.int16)
+    err = hist @ score_t[m]                                      # [groups, 385], largest scale first
+    if int(bits.max()) + HI > BF16_MAX_FINITE:                   # candidates past bf16's largest finite
+        cand = bits[:, None] + torch.arange(HI, LO - 1, -1, device=c.device)[None, :]
+        err = torch.where(cand <= BF16_MAX_FINITE, err, torch.inf)
+    i = err.argmin(dim=1)                                        # ties: the larger scale (first)
+    new_codes = q[m][i[:, None], k] * sign[:, None]
+    new_bits = (bits + HI - i).to(torch.int16)
     new_s = new_bits.view(torch.bfloat16) * torch.where(sf < 0, -1.0, 1.0).to(torch.bfloat16)
     unit = torch.ldexp(torch.ones_like(sf, dtype=torch.float64), (ebits - 127).to(torch.int32))
-    best = err.gather(1, j[:, None]).squeeze(1) * unit * unit
+    best = err.gather(1, i[:, None]).squeeze(1) * unit * unit
     stored = (c.double() * sf.double()[:, None]).pow(2).sum(1)
     zeroed = torch.where(c == -8, torch.zeros_like(c), c)
     codes[rows] = torch.where(bad[:, None], zeroed, new_codes)
