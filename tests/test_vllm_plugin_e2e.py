@@ -124,3 +124,15 @@ def test_a_minus8_misread_is_repaired_retested_and_served(e2e, case):
 def test_a_minus8_refusal_names_both_fixes(e2e):
     refused = e2e["tp1-minus8-refuse"]["refused"]
     assert "--scale-rule optimal-pm7" in refused and "unset K3CONVERT_MINUS8" in refused
+
+
+def test_the_pass_line_names_every_variant_in_vllms_log(e2e):
+    """One INFO line per process, through vLLM's own "vllm" logger and handler (vLLM configures no
+    other logger: a plugin logger outside it would print nothing below WARNING)."""
+    assert e2e["plugin_logger"] == {"parent": "vllm", "handlers": ["vllm"]}
+    for case in ("tp1", "dp2-ep"):
+        lines = [m for level, m in e2e[case]["log"] if "kernel self-test passed" in m]
+        assert len(lines) == 1 and e2e[case]["log"][0][0] == "INFO", e2e[case]["log"]
+        for part in ("tile 16 (8 tokens): passed", "tile 32 (2048 tokens): passed",
+                     "tile 64 (16384 tokens): passed"):
+            assert part in lines[0]

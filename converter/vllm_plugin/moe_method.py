@@ -29,7 +29,7 @@ from vllm.model_executor.utils import replace_parameter
 
 from . import layout, repair, route, selftest
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(route.LOGGER)
 
 
 @functools.cache

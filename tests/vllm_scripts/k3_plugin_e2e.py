@@ -292,7 +292,9 @@ def case(vllm_config, helpers, tensors, tp: int, rank: int, fault: str = "", neu
     fake_dp(dp, dp - 1)
     os.environ[repair.ENV] = minus8
     log = Warnings()
-    logging.getLogger("converter.vllm_plugin.moe_method").addHandler(log)
+    plugin_log = logging.getLogger(route.LOGGER)   # under vLLM's logger; this run sets vLLM's to ERROR
+    plugin_log.addHandler(log)
+    plugin_log.setLevel(logging.INFO)
     original = layout.neutralize_padding_
     if not neutralize:
         layout.neutralize_padding_ = lambda *a, **k: None
@@ -315,7 +317,8 @@ def case(vllm_config, helpers, tensors, tp: int, rank: int, fault: str = "", neu
                 out["collective_calls"] = Collective.calls
     finally:
         layout.neutralize_padding_ = original
-        logging.getLogger("converter.vllm_plugin.moe_method").removeHandler(log)
+        plugin_log.removeHandler(log)
+        plugin_log.setLevel(logging.NOTSET)
         os.environ.pop(repair.ENV, None)
         fake_dp(1, 0)
         vllm_config.parallel_config.enable_expert_parallel = False
@@ -353,8 +356,13 @@ def main() -> int:
     vllm_config = EngineArgs(model=root, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                              load_format="dummy", max_model_len=256,
                              enable_prefix_caching=False).create_engine_config()
+    from converter.vllm_plugin import route
+
+    plugin_log = logging.getLogger(route.LOGGER)
     result = {"quantization": vllm_config.model_config.quantization,
-              "quant_config": type(vllm_config.quant_config).__name__}
+              "quant_config": type(vllm_config.quant_config).__name__,
+              "plugin_logger": {"parent": plugin_log.parent.name,
+                                "handlers": [h.name for h in plugin_log.parent.handlers]}}
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(vllm_config):
