@@ -12,6 +12,9 @@ fused_moe_method_base.py; and these differ only outside what runs here: models/k
 routed_experts.py (hash routing, online requantization; _load_w13/_load_w2 are identical),
 quantization/mxfp4.py (4 lines), fused_moe/config.py, config/model.py. fused_moe/oracle/mxfp4.py,
 experts/rocm_aiter_moe.py and _aiter_ops.py differ: the kernel they build is the simulated one here.
+For DP + EP: fused_moe/config.py's FusedMoEParallelConfig, fused_moe/layer.py's make_parallel_config
+and all2all_utils.py's maybe_make_prepare_finalize up to its all2all branch are identical;
+prepare_finalize/no_dp_ep.py differs in one argument of the input quantization (unused by a16w4).
 """
 from __future__ import annotations
 
