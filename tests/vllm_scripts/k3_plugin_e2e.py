@@ -52,11 +52,13 @@ PREFIX = f"language_model.model.layers.{LAYER}.block_sparse_moe"
 def simulate_rocm() -> aiter_sim.Helpers:
     """ROCm gfx942, AITER MoE on, a SiTUv2-capable aiter whose layout helpers are aiter's/vLLM's own."""
     import vllm
+    from vllm import _aiter_ops
     from vllm._aiter_ops import rocm_aiter_ops
     from vllm.platforms import current_platform
 
     vllm.__version__ = "0.33.0"
     current_platform.is_rocm = lambda: True
+    _aiter_ops.IS_AITER_FOUND = True          # the simulated aiter is "installed" (_aiter_ops.py 113-123)
     rocm_aiter_ops.is_fused_moe_enabled = lambda: True
     rocm_aiter_ops.is_fused_moe_situv2_gate_up_interleaved = lambda: False
     rocm_aiter_ops.is_fused_moe_situv2_enabled = lambda: False
@@ -275,12 +277,15 @@ class Warnings(logging.Handler):
 
 def case(vllm_config, helpers, tensors, tp: int, rank: int, fault: str = "", neutralize: bool = True,
          version: str = "0.33.0", runner_fixed: bool = False, dp: int = 1, minus8: str = "",
-         layers: int = 1) -> dict:
+         layers: int = 1, plugin_pad_refusal: bool = True) -> dict:
     import vllm
 
     from converter.vllm_plugin import layout, moe_method, repair, route
 
     vllm.__version__ = version
+    # every 0.33.x KimiMoE crashes padding: a vLLM that builds padded layers is simulated by turning the
+    # plugin's refusal of that series off (and, for the fixed runner, by runner_holds_weights)
+    route.PADDING_CRASHES = ((0, 33),) if plugin_pad_refusal else ()
     runner_holds_weights(runner_fixed)
     SimKernel.fault = fault
     Collective.calls = 0
@@ -370,7 +375,7 @@ def main() -> int:
                                      distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         initialize_model_parallel(1, 1)
     tensors = expert_tensors(dst)
-    fixed = {"version": "0.33.1", "runner_fixed": True}     # a vLLM that builds padded layers
+    fixed = {"plugin_pad_refusal": False, "runner_fixed": True}     # a vLLM that builds padded layers
     cases = {"tp1": dict(tp=1, rank=0), "tp1-silu": dict(tp=1, rank=0, fault="silu"),
              "tp1-minus8": dict(tp=1, rank=0, fault="minus8"), "tp1-layout": dict(tp=1, rank=0, fault="layout"),
              "tp1-minus8-refuse": dict(tp=1, rank=0, fault="minus8", minus8="refuse"),
@@ -379,7 +384,7 @@ def main() -> int:
              "dp2-ep": dict(tp=1, rank=0, dp=2), "dp2-ep-silu": dict(tp=1, rank=0, dp=2, fault="silu"),
              "dp2-ep-minus8": dict(tp=1, rank=0, dp=2, fault="minus8"),
              "tp16-refused-on-0.33.0": dict(tp=16, rank=0),
-             "tp16-kimimoe-without-plugin-refusal": dict(tp=16, rank=0, version="0.33.1"),
+             "tp16-kimimoe-without-plugin-refusal": dict(tp=16, rank=0, plugin_pad_refusal=False),
              "tp16-rank0": dict(tp=16, rank=0, **fixed), "tp16-rank15": dict(tp=16, rank=15, **fixed),
              "tp16-padding-as-vllm-leaves-it": dict(tp=16, rank=3, neutralize=False, **fixed)}
     for name, kw in cases.items():
