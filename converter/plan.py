@@ -185,6 +185,10 @@ def shard_metadata(source: dict[str, str], activation: dict[str, Any], what: str
     return meta
 
 
+# E8M0 scale bytes as a uint8 tensor or as safetensors' F8_E8M0 (Ling's weight_scale_inv): the same bytes
+E8M0_DTYPES = ("U8", "F8_E8M0")
+
+
 def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: list[str],
           unread: set[str]) -> dict[str, Convert]:
     """Every MXFP4 module of the checkpoint, its packed and scale tensors found in any shard
@@ -206,7 +210,7 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
             if f"{module}.{source.scale_suffix}" not in unread:
                 problems.append(f"{where}: no {source.scale_suffix} for it in any shard")
             continue
-        if t.dtype != "U8" or scale.dtype != "U8":
+        if t.dtype != "U8" or scale.dtype not in E8M0_DTYPES:
             problems.append(f"{where}: expected uint8 packed and scale, got {t.dtype} and {scale.dtype}")
             continue
         if len(t.shape) != 2 or len(scale.shape) != 2:
@@ -227,7 +231,7 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
     problems += _collisions(tensors, converts)
     suffix = "." + source.scale_suffix
     for name, t in tensors.items():  # a scale whose packed tensor is nowhere would pass through as data
-        if not name.endswith(suffix) or t.dtype != "U8":
+        if not name.endswith(suffix) or t.dtype not in E8M0_DTYPES:
             continue
         module = name[: -len(suffix)]
         packed = f"{module}.{source.packed_suffix}"

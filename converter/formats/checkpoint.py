@@ -67,7 +67,7 @@ def dialect(config: dict, config_path: str) -> str:
     hint = " (gpt-oss's MXFP4 layout, which k3convert does not read)" if b.get("quant_method") == "mxfp4" else ""
     raise BadInput(f"{dotted(p)} says quant_method={b.get('quant_method')!r}, format={b.get('format')!r}{hint}: "
                    f"k3convert converts compressed-tensors {MXFP4_FORMAT}, AMD Quark MXFP4 and vLLM fp8 (store_dtype "
-                   f"mxfp4) checkpoints",
+                   f"mxfp4, or routed_experts_quant_method mxfp4) checkpoints",
                    file=config_path)
 
 
