@@ -1,12 +1,14 @@
 """Run in a vLLM venv: build vLLM's own classes of a non-K3 MoE model from k3convert outputs'
 configs and write, as JSON, the quantization method vLLM gives every module.
 
-    python moe_model_quant_methods.py {minimax_m3|mimo_v2} OUT.json DIR [DIR ...]
+    python moe_model_quant_methods.py {minimax_m3|mimo_v2|ling} OUT.json DIR [DIR ...]
 
 ``minimax_m3`` binds ``vllm.models.minimax_m3.amd`` (what ``models/minimax_m3/__init__.py`` imports
 on ROCm) and builds ``MiniMaxM3SparseForConditionalGeneration``; ``mimo_v2`` builds
 ``model_executor/models/mimo_v2.py``'s class named by the config's architectures. Built on the
-CPU at the fixtures' tiny sizes, as k3_quant_methods.py builds K3 (whose recorders this reuses):
+CPU at the fixtures' tiny sizes (``ling``: ``model_executor/models/bailing_moe_v3.py``'s
+``BailingMoeV3ForCausalLM``, its config class registered for ``bailing_hybrid``, which the venv's
+transformers 5.19 lacks), as k3_quant_methods.py builds K3 (whose recorders this reuses):
 no kernel runs, no checkpoint is read. As vLLM's loader does first, ``configure_quant_config`` hands
 the class's ``packed_modules_mapping`` to the quant config (fused layers are matched by it).
 Stand-ins, each said where it is made: the compressed-tensors FP8 linear scheme's GEMM kernel
@@ -31,7 +33,7 @@ TINY = {"minimax_m3": {"vision_config": {"hidden_size": 32, "intermediate_size":
                                          "num_attention_heads": 2, "patch_size": 14, "num_channels": 3,
                                          "layer_norm_eps": 1e-5, "img_token_compression_config": {}},
                        "text_config": {"max_position_embeddings": 256}},
-        "mimo_v2": {}}
+        "mimo_v2": {}, "ling": {}}
 
 
 def tiny_dir(src: str, root: str, family: str) -> str:
@@ -55,8 +57,22 @@ def model_class(family: str, config: dict):
         sys.modules["vllm.platforms.rocm"] = rocm
         from vllm.models.minimax_m3.amd import model
         return model.MiniMaxM3SparseForConditionalGeneration
+    if family == "ling":
+        from vllm.model_executor.models import bailing_moe_v3
+        return bailing_moe_v3.BailingMoeV3ForCausalLM
     from vllm.model_executor.models import mimo_v2
     return getattr(mimo_v2, config["architectures"][0])
+
+
+def register_ling_config() -> None:
+    """vLLM's own BailingMoeV3TextConfig (model_type bailing_hybrid) for AutoConfig: transformers 5.19
+    in the venv does not know the model type (5.24 does)."""
+    from transformers import AutoConfig
+    from vllm.transformers_utils.configs.bailing_moe_v3_vl import BailingMoeV3TextConfig
+    try:
+        AutoConfig.register("bailing_hybrid", BailingMoeV3TextConfig)
+    except ValueError:   # already known
+        pass
 
 
 def build(model_dir: str, family: str, first: bool) -> dict:
@@ -143,6 +159,8 @@ def main() -> int:
     if family == "minimax_m3":
         stub_torchvision(root)
     import vllm
+    if family == "ling":
+        register_ling_config()
     k3qm.record_oracle()
     k3qm.record_lookups()
     record_fp8_linear()
