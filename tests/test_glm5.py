@@ -91,16 +91,14 @@ def test_the_templates_mxfp4_shared_experts_are_refused_by_name(tmp_path):
 
 
 def test_an_incomplete_download_is_caught_by_the_inventory(tmp_path):
-    """mlp_layer_types "sparse" x n_routed_experts x gate/up/down: a missing expert is named."""
-    import json
+    """mlp_layer_types "sparse" x n_routed_experts x gate/up/down: a config that asks for a fifth expert
+    the shards lack is refused, the missing module named."""
+    from conftest import write_json
     src = str(tmp_path / "src")
     glm.write(src)
-    gone = "model.language_model.layers.2.mlp.experts.3.up_proj"
-    index = os.path.join(src, "model.safetensors.index.json")
-    wm = read_json(index)
-    for t in (f"{gone}.weight", f"{gone}.weight_scale"):
-        del wm["weight_map"][t]
-    with open(index, "w") as f:
-        json.dump(wm, f, indent=4)
-    with pytest.raises(BadInput, match=rf"missing {re.escape(gone)}|{re.escape(gone)}"):
+    cfg = read_json(os.path.join(src, "config.json"))
+    cfg["text_config"]["n_routed_experts"] = 5
+    write_json(os.path.join(src, "config.json"), cfg)
+    gone = "model.language_model.layers.1.mlp.experts.4.gate_proj"
+    with pytest.raises(BadInput, match=rf"expected 30 expert matrices, found 24: missing {re.escape(gone)}"):
         convert(src, str(tmp_path / "dst"), Options())
