@@ -355,6 +355,29 @@ def _linked_folder_problem(src: str, d: str, name: str, roots: tuple[str, ...]) 
     return None
 
 
+# a side file some writers add that repeats config.json's quantization_config (auto-round 0.16's model-free
+# export, compressors/model_free.py 1576-1581): copied, it would describe DST's int4 weights as MXFP4
+RESTATED_QUANT_CONFIGS = ("quantization_config.json",)
+
+
+def _restated_quant_configs(src: str, config: dict) -> set[str]:
+    """The side files of RESTATED_QUANT_CONFIGS that hold exactly one of config.json's MXFP4 blocks: not copied
+    (config.json's replaced block is DST's one description); one that says anything else is copied as it is."""
+    blocks = [b for _, b in ckpt.quant_blocks(config)]
+    out = set()
+    for rel in RESTATED_QUANT_CONFIGS:
+        path = os.path.join(src, rel)
+        if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) > 1 << 24:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                if json.load(f) in blocks:
+                    out.add(rel)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def _other_files(src: str, skip: set[str], roots: tuple[str, ...], problems: list[str]) -> list[str]:
     """Side files (tokenizer, chat template, remote code) to copy; each must lie inside SRC and have a
     name the Hub can hold. Links to folders inside SRC are followed (their files copied as regular files)."""
@@ -469,7 +492,8 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     if not problems and not converts:
         problems.append(f"directory {src}: the quantization config selects no {source.packed_suffix}/"
                         f"{source.scale_suffix} pair")
-    others = _other_files(src, {"config.json", ckpt.INDEX} | set(by_shard), roots, problems)
+    others = _other_files(src, {"config.json", ckpt.INDEX} | set(by_shard) | _restated_quant_configs(src, config),
+                          roots, problems)
     if problems:
         raise BadInput(f"{len(problems)} problem(s) in {src}:\n  " + "\n  ".join(problems)
                        if len(problems) > 1 else problems[0])
