@@ -192,6 +192,9 @@ def expected_modules(profile: Profile, config: dict) -> dict[str, tuple[int, int
             layers = range(count(inv["layer_count"], MAX_LAYERS))
         else:
             layers = range(*(count(k, MAX_LAYERS) for k in inv["layers"]))
+            if isinstance(inv.get("extra_layers"), str) and _has(config, inv["extra_layers"]):
+                # layers past the end that the same names carry (Ling's MTP MoE layers, bailing_moe_v3_mtp.py 162-173)
+                layers = range(layers.start, layers.stop + count(inv["extra_layers"], MAX_LAYERS))
         experts = count(inv["experts"], MAX_EXPERTS)
         shapes = {proj: tuple(count(k, MAX_DIM) for k in dims) for proj, dims in inv["shapes"].items()}
     except KeyError as e:

@@ -54,8 +54,10 @@ def fp8_ue8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def write(dst: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The checkpoint in ``dst``; returns the bf16 experts it packed, by module."""
+def write(dst: str, seed: int = 0, mtp: bool = False) -> dict[str, torch.Tensor]:
+    """The checkpoint in ``dst``; returns the bf16 experts it packed, by module. ``mtp``: one MTP layer
+    (``num_nextn_predict_layers`` 1) at ``model.layers.3``, a MoE layer as bailing_moe_v3_mtp.py builds it
+    (111, 162-173) with its own MXFP4 experts (the MTP's other tensors are left out: not read here)."""
     torch.manual_seed(seed)
     os.makedirs(dst, exist_ok=True)
     h, e, inter = TEXT["hidden_size"], TEXT["num_experts"], TEXT["moe_intermediate_size"]
@@ -68,7 +70,7 @@ def write(dst: str, seed: int = 0) -> dict[str, torch.Tensor]:
         out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = fp8_ue8m0(heavy_tailed(rows, cols))
 
     heads = TEXT["num_attention_heads"]
-    for layer in range(TEXT["num_hidden_layers"]):
+    for layer in range(TEXT["num_hidden_layers"] + (1 if mtp else 0)):
         p = f"model.layers.{layer}"
         out[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         out[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
@@ -98,5 +100,6 @@ def write(dst: str, seed: int = 0) -> dict[str, torch.Tensor]:
                 out[f"{m}.weight"], out[f"{m}.weight_scale_inv"] = packed, scale.view(torch.float8_e8m0fnu)
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump({**TEXT, "quantization_config": dict(QUANT)}, f, indent=2)
+        json.dump({**TEXT, **({"num_nextn_predict_layers": 1} if mtp else {}), "quantization_config": dict(QUANT)},
+                  f, indent=2)
     return experts

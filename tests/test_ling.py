@@ -125,3 +125,26 @@ def test_an_incomplete_download_is_caught_by_the_inventory(tmp_path):
     save_file(t, path, metadata={"format": "pt"})
     with pytest.raises(BadInput, match=rf"expected 24 expert matrices, found 23: missing {re.escape(gone)}"):
         convert(src, str(tmp_path / "dst"), Options())
+
+
+def test_mtp_layer_experts_are_in_the_inventory(tmp_path):
+    """Ling's MTP layers (num_nextn_predict_layers, after num_hidden_layers) are MoE with routed experts
+    under the same names (bailing_moe_v3_mtp.py 111, 162-173): the inventory expects them, so they
+    convert with the rest, and one missing is named."""
+    from safetensors.torch import load_file, save_file
+    from converter import profiles
+    src = str(tmp_path / "src")
+    ling.write(src, mtp=True)
+    cfg = read_json(os.path.join(src, "config.json"))
+    expected = profiles.expected_modules(profiles.named("ling-3"), cfg)
+    assert len(expected) == 3 * 4 * 3 and "model.layers.3.mlp.experts.3.down_proj" in expected
+    dst = str(tmp_path / "dst")
+    convert(src, dst, Options())
+    assert "model.layers.3.mlp.experts.0.gate_proj.weight_packed" in all_tensors(dst)
+    path = os.path.join(src, "model.safetensors")
+    t = load_file(path)
+    gone = "model.layers.3.mlp.experts.1.up_proj"
+    del t[f"{gone}.weight"], t[f"{gone}.weight_scale_inv"]
+    save_file(t, path, metadata={"format": "pt"})
+    with pytest.raises(BadInput, match=rf"expected 36 expert matrices, found 35: missing {re.escape(gone)}"):
+        convert(src, str(tmp_path / "dst2"), Options())
