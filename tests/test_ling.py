@@ -148,3 +148,9 @@ def test_mtp_layer_experts_are_in_the_inventory(tmp_path):
     save_file(t, path, metadata={"format": "pt"})
     with pytest.raises(BadInput, match=rf"expected 36 expert matrices, found 35: missing {re.escape(gone)}"):
         convert(src, str(tmp_path / "dst2"), Options())
+
+
+def test_a_limit_list_of_the_wrong_type_is_refused(done, tmp_path):
+    src = _edited(done[0], str(tmp_path), lambda c: c.update(expert_swiglu_limit_list=[0, "7.0", 10.0]))
+    with pytest.raises(BadInput, match="expert_swiglu_limit_list is .*expected a list of finite numbers"):
+        convert(src, str(tmp_path / "dst"), Options())

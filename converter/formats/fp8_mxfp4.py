@@ -70,8 +70,11 @@ class Fp8Mxfp4Source(MXFP4Source):
         """Every FP8 linear (a ``weight_scale_inv`` beside it), less the experts where Ling stores their
         MXFP4 scales under that name too."""
         fp8 = (n[: -len(FP8_SCALE)] for n in tensors if n.endswith(FP8_SCALE))
-        experts = self.scale_suffix == FP8_SCALE[1:]
-        return replace(self, fp8_modules=tuple(sorted(m for m in fp8 if not (experts and self.selects(m)))))
+        return replace(self, fp8_modules=tuple(sorted(m for m in fp8 if not self._expert_scale(m))))
+
+    def _expert_scale(self, module: str) -> bool:
+        """Whether ``module.weight_scale_inv`` is a routed expert's MXFP4 scale (Ling), not an FP8 linear's."""
+        return self.scale_suffix == FP8_SCALE[1:] and self.selects(module)
 
     def tensor_problems(self, tensors: Any) -> list[str]:
         """Each FP8 linear as vLLM's Fp8LinearMethod loads it (fp8.py 338-339): ``X.weight`` F8_E4M3 and
@@ -82,6 +85,8 @@ class Fp8Mxfp4Source(MXFP4Source):
             if not name.endswith(FP8_SCALE):
                 continue
             module = name[: -len(FP8_SCALE)]
+            if self._expert_scale(module):   # Ling: an MXFP4 expert's E8M0 scale, paired by plan
+                continue
             where, w, clash = f"file {t.path}, tensor {name}", tensors.get(f"{module}.weight"), \
                 tensors.get(module + CT_SCALE)
             if clash is not None:
