@@ -102,3 +102,15 @@ def test_an_incomplete_download_is_caught_by_the_inventory(tmp_path):
     gone = "model.language_model.layers.1.mlp.experts.4.gate_proj"
     with pytest.raises(BadInput, match=rf"expected 30 expert matrices, found 24: missing {re.escape(gone)}"):
         convert(src, str(tmp_path / "dst"), Options())
+
+
+def test_vllms_load_time_refusals_for_glm5(done):
+    """verify --serving's loader table (converter/loaders.py): GLM-5.3's model asserts TP divides the
+    heads (glm5next/common/model.py 765-768) and refuses any activation but silu (202-205, 243-247)."""
+    from converter import loaders
+    from converter.topology import Topology
+    cfg = read_json(os.path.join(done[1], "config.json"))
+    assert loaders.refusals(cfg, Topology(2)) == []
+    assert any("765-768" in where for _, where in loaders.refusals(cfg, Topology(4)))
+    cfg["text_config"]["hidden_act"] = "gelu"
+    assert any("243-247" in where for _, where in loaders.refusals(cfg, Topology(1)))

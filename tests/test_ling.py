@@ -154,3 +154,14 @@ def test_a_limit_list_of_the_wrong_type_is_refused(done, tmp_path):
     src = _edited(done[0], str(tmp_path), lambda c: c.update(expert_swiglu_limit_list=[0, "7.0", 10.0]))
     with pytest.raises(BadInput, match="expert_swiglu_limit_list is .*expected a list of finite numbers"):
         convert(src, str(tmp_path / "dst"), Options())
+
+
+def test_vllms_load_time_refusals_for_ling(done):
+    """verify --serving's loader table (converter/loaders.py): Ling's MLA asserts TP divides the heads
+    (bailing_moe_v3.py 480); the fixture's 2 heads load at TP 2, not at TP 4."""
+    from converter import loaders
+    from converter.topology import Topology
+    cfg = read_json(os.path.join(done[1], "config.json"))
+    assert loaders.refusals(cfg, Topology(2)) == []
+    (problem, where), *_ = loaders.refusals(cfg, Topology(4))
+    assert "num_attention_heads" in problem and "bailing_moe_v3.py 480" in where
