@@ -139,16 +139,16 @@ class Progress:
             self._plan(f)
         elif kind == "ready":
             self.ready += 1
-            if self.bar and self.first is None and self.total:
+            if self.bar is not None and self.first is None and self.total:
                 self.bar.set_postfix_str("reading", refresh=False)
-        elif kind == "bytes" and self.bar:
+        elif kind == "bytes" and self.bar is not None:
             now = time.monotonic()
             if self.first is None:
                 self.first = (now, self.bar.n + f["n"])  # the first bytes arrive at once: not a rate
             t0, n0 = self.first
             self.bar.set_postfix_str(eta(self.bar.n + f["n"] - n0, self.bar.total - n0, now - t0) or "", refresh=False)
             self.bar.update(f["n"])
-        elif kind == "done" and self.bar:
+        elif kind == "done" and self.bar is not None:
             self.done += 1
             self.bar.set_description(f"shards {self.done}/{self.total}")
 
@@ -165,6 +165,6 @@ class Progress:
         self.bar.set_postfix_str("reading" if self.ready else f"loading torch and {kernel}…", refresh=True)
 
     def close(self, leave: bool = True) -> None:
-        if self.bar:
+        if self.bar is not None:
             close_bar(self.bar, leave)
             self.bar = None
