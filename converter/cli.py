@@ -48,8 +48,8 @@ def _fail(e: ConvertError) -> None:
 class _Main(click.Group):
     """The command group, with click's usage errors (a bad option value from the command line, a job
     file or the environment) as our one line, ``k3convert: error: ...``, exit 2; an unknown command
-    names the close ones. From the command line (``args`` None) the process leaves at once when
-    done (fastexit: no seconds of torch teardown, no process left behind)."""
+    names the close ones. From the command line the process leaves at once when done
+    (fastexit: no seconds of torch teardown, no process left behind)."""
 
     def resolve_command(self, ctx, args):
         name = click.utils.make_str(args[0]) if args else None
@@ -57,18 +57,18 @@ class _Main(click.Group):
             raise click.UsageError(unknown_command(name, self.list_commands(ctx)), ctx)
         return super().resolve_command(ctx, args)
 
+    def __call__(self, *args, **kwargs):
+        """The command line (the ``k3convert`` script, ``python -m converter``); click's test runner
+        calls ``main`` instead, and library use neither."""
+        try:
+            return self.main(*args, **kwargs)
+        except SystemExit as e:
+            from .fastexit import leave
+            leave(e.code)
+
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, False, **extra)
-        try:
-            self._main(args, prog_name, complete_var, **extra)
-        except SystemExit as e:
-            if args is None:
-                from .fastexit import leave
-                leave(e.code)
-            raise
-
-    def _main(self, args, prog_name, complete_var, **extra) -> None:
         try:
             rv = super().main(args, prog_name, complete_var, False, **extra)
         except click.UsageError as e:

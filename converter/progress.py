@@ -164,7 +164,9 @@ class Progress:
         self.bar.set_description(f"shards 0/{self.total}", refresh=False)
         self.bar.set_postfix_str("reading" if self.ready else f"loading torch and {kernel}…", refresh=True)
 
-    def close(self, leave: bool = True) -> None:
+    def close(self, leave: bool | None = None) -> None:
+        """End the bar; by default it stays on screen once it has shown shards (a run that fails
+        before its plan leaves no 'starting' frame above its error)."""
         if self.bar is not None:
-            close_bar(self.bar, leave)
+            close_bar(self.bar, bool(self.total) if leave is None else leave)
             self.bar = None
