@@ -239,3 +239,20 @@ def test_demo_removes_its_temporary_folder_unless_keep(tmp_path, monkeypatch):
     (kept,) = os.listdir(tmp_path)
     assert r.stdout.splitlines()[-1] == f"kept in {tmp_path / kept}"
     assert read_json(tmp_path / kept / "kimi-k3-fixture-int4" / MANIFEST)["complete"] is True
+
+
+def test_make_fixture_shows_progress_to_its_total(tmp_path):
+    """A real-dims fixture takes minutes on a CPU (once 131 s without a word): each tensor written
+    is reported, and the reports add up to the tensor bytes in the files."""
+    from converter.fixture import FixtureSpec, fixture_bytes, make_fixture
+    from converter.formats.safetensors_io import read_header
+
+    spec = FixtureSpec(layers=2, experts=2, shards=2)
+    seen: list[int] = []
+    names = make_fixture(str(tmp_path / "f"), spec, progress=seen.append)
+    written = sum(t.nbytes for n in names for t in read_header(str(tmp_path / "f" / n)).tensors.values())
+    assert len(seen) > 20 and sum(seen) == fixture_bytes(spec) == written
+    r = run_cli("make-fixture", tmp_path / "g", "--layers", 2, "--experts", 2, "--shards", 2)
+    assert r.exit_code == 0, r.output
+    assert r.stderr.startswith("writing a Kimi-K3-shaped MXFP4 fixture (2 layers, 2 experts, 2 shards) to ")
+    assert re.search(r"fixture: 100%\|.*\| ([\d.]+[kM]?)/\1 ", r.stderr), r.stderr  # the bar reached its total
