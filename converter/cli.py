@@ -15,7 +15,7 @@ from .manifest import REPORT
 from .profiles import MAX_EXPERTS
 from .quant.rules import RULES as SCALE_RULES
 from .progress import (ETA_AFTER_S, Progress as _Progress, eta, human_bytes, human_seconds,  # noqa: F401
-                       human_sizes, rate_line, say)
+                       human_sizes, interactive, rate_line, say)
 from .serving import SERVERS
 from .suggest import unknown_command
 
@@ -138,7 +138,7 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, workers_per_gpu, sam
     bar = _Progress(progress)
     try:
         if dry_run:
-            if progress == "bar":
+            if progress == "bar" and interactive():
                 say(f"reading the shard headers of {src}…")
             plan = opts.plan(src)
             info = describe(plan, dst or default_dst(plan.src), opts)

@@ -94,6 +94,11 @@ def close_bar(b, leave: bool = True) -> None:
     b.close()
 
 
+def interactive() -> bool:
+    """stderr is a terminal: a person is watching (lines that only say what is awaited go there)."""
+    return _isatty(sys.stderr)
+
+
 def _isatty(file: TextIO) -> bool:
     try:
         return file.isatty()
@@ -121,8 +126,9 @@ class Progress:
         self.ready = 0  # workers that reported their kernel loaded
 
     def start(self) -> None:
-        """At once, before anything slow: the bar, saying what the run waits on."""
-        if self.mode == "bar" and self.bar is None:
+        """At once, before anything slow: the bar, saying what the run waits on (on a terminal: in
+        a log, the first line stays the plan's, and an early error the only line)."""
+        if self.mode == "bar" and self.bar is None and interactive():
             self.bar = bar(desc="starting", bar_format=self.WAIT, unit="B", unit_scale=True, unit_divisor=1000,
                            postfix="reading the shard headers; workers loading torch…")
 

@@ -255,4 +255,6 @@ def test_make_fixture_shows_progress_to_its_total(tmp_path):
     r = run_cli("make-fixture", tmp_path / "g", "--layers", 2, "--experts", 2, "--shards", 2)
     assert r.exit_code == 0, r.output
     assert r.stderr.startswith("writing a Kimi-K3-shaped MXFP4 fixture (2 layers, 2 experts, 2 shards) to ")
-    assert re.search(r"fixture: 100%\|.*\| ([\d.]+[kM]?)/\1 ", r.stderr), r.stderr  # the bar reached its total
+    from tqdm import tqdm
+    total = tqdm.format_sizeof(fixture_bytes(spec), divisor=1000)
+    assert re.search(rf"fixture: +\d+%\|.*\| [\d.]+[kM]?/{re.escape(total)} ", r.stderr), r.stderr  # a bar to the total
