@@ -58,11 +58,14 @@ class _Main(click.Group):
         return super().resolve_command(ctx, args)
 
     def __call__(self, *args, **kwargs):
-        """The command line (the ``k3convert`` script, ``python -m converter``); click's test runner
-        calls ``main`` instead, and library use neither."""
+        """``main()`` with the process's own arguments is the command line (the ``k3convert`` script,
+        ``python -m converter``): it leaves at once. Given arguments (click's test runner, a
+        script driving the CLI), it exits as click does."""
         try:
             return self.main(*args, **kwargs)
         except SystemExit as e:
+            if (args[0] if args else kwargs.get("args")) is not None:
+                raise
             from .fastexit import leave
             leave(e.code)
 
