@@ -5,7 +5,8 @@ A process that imported torch and numba spends 1-3 s tearing them down after its
 process group. The command line exits through ``leave`` instead: what Python's exit does that
 matters (thread pools stopped and non-daemon threads joined, multiprocessing's finalizers,
 streams flushed), then
-``os._exit``. Library use and tests (click's runner) never come here.
+``os._exit``. Only ``main()`` called with the process's own arguments comes here: library use,
+click's test runner and scripts that pass arguments exit as click does.
 """
 from __future__ import annotations
 
