@@ -4,8 +4,7 @@ A process that imported torch and numba spends 1-3 s tearing them down after its
 (module finalization), and multiprocessing's resource tracker outlives it by a moment in its
 process group. The command line exits through ``leave`` instead: what Python's exit does that
 matters (thread pools stopped and non-daemon threads joined, multiprocessing's finalizers,
-streams flushed), then
-``os._exit``. Only ``main()`` called with the process's own arguments comes here: library use,
+streams flushed), then ``os._exit``. Only ``main()`` called with the process's own arguments comes here: library use,
 click's test runner and scripts that pass arguments exit as click does.
 """
 from __future__ import annotations
