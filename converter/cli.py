@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tempfile
@@ -11,90 +10,14 @@ import time
 import click
 
 from . import __version__, jobfile
-from .errors import ConvertError
+from .errors import BadInput, ConvertError
 from .manifest import REPORT
 from .profiles import MAX_EXPERTS
 from .quant.rules import RULES as SCALE_RULES
+from .progress import (ETA_AFTER_S, Progress as _Progress, eta, human_bytes, human_seconds,  # noqa: F401
+                       human_sizes, interactive, rate_line, say)
 from .serving import SERVERS
-
-
-ETA_AFTER_S = 2.0  # seconds of data flowing before a rate, and so an ETA, is shown
-
-
-def human_bytes(n: float) -> str:
-    """Decimal units, three significant digits: 5.24 MB, 12.7 GB, 1.45 TB."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        r = float(f"{n:.3g}")
-        if abs(r) < 1000 or unit == "TB":
-            break
-        n /= 1000
-    digits = 0 if r == 0 or unit == "B" else max(0, 2 - math.floor(math.log10(abs(r))))
-    return f"{r:.{digits}f} {unit}"
-
-
-def human_seconds(s: float) -> str:
-    if s < 59.5:
-        return f"{s:.3g} s" if s < 10 else f"{s:.1f} s"
-    m, sec = divmod(round(s), 60)
-    return f"{m} min {sec:02d} s" if m < 60 else f"{m // 60} h {m % 60:02d} min"
-
-
-def rate_line(nbytes: int, seconds: float) -> str:
-    """What the run converted, over its wall time: '5.24 MB in 0.41 s, 12.8 MB/s'."""
-    if nbytes <= 0:
-        return f"nothing left to convert ({human_seconds(seconds)})"
-    rate = f", {human_bytes(nbytes / seconds)}/s" if seconds > 0 else ""
-    return f"{human_bytes(nbytes)} in {human_seconds(seconds)}{rate}"
-
-
-def eta(done: int, total: int, seconds: float) -> str | None:
-    """'rate, time left' from the bytes done in the ``seconds`` since data began to flow; None
-    until ETA_AFTER_S of it (before that, a rate is mostly the start-up's noise)."""
-    if seconds < ETA_AFTER_S or done <= 0:
-        return None
-    rate = done / seconds
-    return f"{human_bytes(rate)}/s, {human_seconds(max(0, total - done) / rate)} left"
-
-
-class _Progress:
-    """Turns pipeline events into a tqdm bar (bytes, GB/s, ETA) or JSON lines."""
-
-    BAR = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
-
-    def __init__(self, mode: str):
-        self.mode, self.bar, self.done, self.total = mode, None, 0, 0
-        self.first: tuple[float, int] | None = None  # (time, bytes) of the first bytes event
-
-    def __call__(self, kind: str, f: dict) -> None:
-        if self.mode == "json":
-            click.echo(json.dumps({"event": kind, "time": round(time.time(), 3), **f}), err=True)
-            return
-        if self.mode == "none":
-            return
-        if kind == "plan" and not f["todo"]:
-            click.echo(f"nothing to convert: all {f['shards']} shard(s) done", err=True)
-        elif kind == "plan":
-            from tqdm import tqdm
-            self.total = f["todo"]
-            self.bar = tqdm(total=f["bytes_in"], unit="B", unit_scale=True, unit_divisor=1000,
-                            desc=f"shards 0/{self.total}", dynamic_ncols=True, file=sys.stderr,
-                            bar_format=self.BAR, postfix="starting")
-            how = f.get("workers") or f"{', '.join(sorted(set(f['devices'])))} ({len(f['devices'])} worker(s))"
-            click.echo(f"converting {f['todo']} of {f['shards']} shards; {how}", err=True)
-        elif kind == "bytes" and self.bar:
-            now = time.monotonic()
-            if self.first is None:
-                self.first = (now, self.bar.n + f["n"])  # the first bytes arrive at once: not a rate
-            t0, n0 = self.first
-            self.bar.set_postfix_str(eta(self.bar.n + f["n"] - n0, self.bar.total - n0, now - t0) or "", refresh=False)
-            self.bar.update(f["n"])
-        elif kind == "done" and self.bar:
-            self.done += 1
-            self.bar.set_description(f"shards {self.done}/{self.total}")
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.close()
+from .suggest import unknown_command
 
 
 class _WorkerCount(click.ParamType):
@@ -139,7 +62,27 @@ def _fail(e: ConvertError) -> None:
 
 class _Main(click.Group):
     """The command group, with click's usage errors (a bad option value from the command line, a job
-    file or the environment) as our one line, ``k3convert: error: ...``, exit 2."""
+    file or the environment) as our one line, ``k3convert: error: ...``, exit 2; an unknown command
+    names the close ones. From the command line the process leaves at once when done
+    (fastexit: no seconds of torch teardown, no process left behind)."""
+
+    def resolve_command(self, ctx, args):
+        name = click.utils.make_str(args[0]) if args else None
+        if name is not None and self.get_command(ctx, name) is None and not name.startswith("-"):
+            raise click.UsageError(unknown_command(name, self.list_commands(ctx)), ctx)
+        return super().resolve_command(ctx, args)
+
+    def __call__(self, *args, **kwargs):
+        """``main()`` with the process's own arguments is the command line (the ``k3convert`` script,
+        ``python -m converter``): it leaves at once. Given arguments (click's test runner, a
+        script driving the CLI), it exits as click does."""
+        try:
+            return self.main(*args, **kwargs)
+        except SystemExit as e:
+            if (args[0] if args else kwargs.get("args")) is not None:
+                raise
+            from .fastexit import leave
+            leave(e.code)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
@@ -213,11 +156,14 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, workers_per_gpu, sam
     bar = _Progress(progress)
     try:
         if dry_run:
+            if progress == "bar" and interactive():
+                say(f"reading the shard headers of {src}…")
             plan = opts.plan(src)
             info = describe(plan, dst or default_dst(plan.src), opts)
             click.echo(json.dumps(info, indent=2) if progress == "json" else "\n".join(
-                f"{k:>28}: {v}" for k, v in info.items()))
+                f"{k:>28}: {v}" for k, v in human_sizes(info).items()))
             return
+        bar.start()
         summary = convert(src, dst, opts, bar)
     except ConvertError as e:
         bar.close()
@@ -270,26 +216,47 @@ def finalize(dst) -> None:
               help="Cut shards only between modules [default: by size, as Hugging Face writers do, so pairs straddle].")
 def make_fixture_cmd(dst, layers, experts, shards, real_dims, seed, device, keep_modules) -> None:
     """Write a small Kimi-K3-shaped MXFP4 checkpoint to DST."""
-    from .fixture import FixtureSpec, make_fixture
+    from .progress import bar, close_bar
+
+    say(f"writing a {'real-dims ' if real_dims else ''}Kimi-K3-shaped MXFP4 fixture ({layers} layers, "
+        f"{experts} experts, {shards} shards) to {dst}; loading torch…")
+    from .fixture import FixtureSpec, fixture_bytes, make_fixture
 
     kw = {"layers": layers, "experts": experts, "shards": shards, "seed": seed, "keep_modules": keep_modules}
     spec = FixtureSpec.real_dims(**kw) if real_dims else FixtureSpec(**kw)
-    names = make_fixture(dst, spec, device=device)
+    b = bar(total=fixture_bytes(spec), desc="fixture", unit="B", unit_scale=True, unit_divisor=1000)
+    try:
+        names = make_fixture(dst, spec, device=device, progress=b.update)
+    finally:
+        close_bar(b, leave=False)
     size = sum(os.path.getsize(os.path.join(dst, n)) for n in names)
     click.echo(f"wrote {len(names)} shards, {size / 1e6:.1f} MB -> {dst}")
 
 
 @main.command()
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,
-              help="Where to put the fixture and its conversion [default: a new temporary directory].")
+              help="Where to put the fixture and its conversion, kept [default: a new temporary directory, "
+                   "removed at the end unless --keep].")
+@click.option("--keep", is_flag=True, help="Keep the temporary directory (its path is printed).")
 @click.pass_context
-def demo(ctx, workdir) -> None:
+def demo(ctx, workdir, keep) -> None:
     """Make a small K3-shaped checkpoint and convert it: the whole job, in seconds."""
+    import shutil
+
+    temporary = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="k3convert-demo-")
+    say(f"demo: a small Kimi-K3-shaped checkpoint and its int4 conversion, in {workdir}"
+        + (" (removed at the end; --keep keeps it)" if temporary and not keep else ""))
     src = os.path.join(workdir, "kimi-k3-fixture")
-    if not os.path.exists(src):
-        ctx.invoke(make_fixture_cmd, dst=src)  # every other option at its default
-    ctx.invoke(mxfp4_to_int4, src=src, dst=os.path.join(workdir, "kimi-k3-fixture-int4"), overwrite=True)
+    try:
+        if not os.path.exists(src):
+            ctx.invoke(make_fixture_cmd, dst=src)  # every other option at its default
+        ctx.invoke(mxfp4_to_int4, src=src, dst=os.path.join(workdir, "kimi-k3-fixture-int4"), overwrite=True)
+    finally:
+        if temporary and not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if temporary:
+        click.echo(f"kept in {workdir}" if keep else f"removed {workdir} (--keep keeps it)")
 
 
 @main.command("verify")
@@ -347,14 +314,18 @@ def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, dp, pp, ep, ve
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
 def inspect_cmd(path, as_json) -> None:
     """Describe a checkpoint (MXFP4 source, k3convert output, or other) or one shard: format,
-    shards, tensors, quantization configs, SiTU fields, and for a source what converting gives."""
-    from .inspect import format_info, inspect_path
+    shards, tensors, quantization configs, SiTU fields, and for a source what converting gives.
+
+    Exit 0, or 2 when PATH cannot be read or shards its index names are missing."""
+    from .inspect import format_info, inspect_path, missing_shards
 
     try:
         info = inspect_path(path)
     except ConvertError as e:
         _fail(e)
     click.echo(json.dumps(info, indent=2, default=str) if as_json else format_info(info))
+    if missing := missing_shards(info):  # described above, and refused as a checkpoint: bad input
+        _fail(BadInput(f"{len(missing)} shard(s) named by the index are missing: {', '.join(missing)}", file=path))
 
 
 @main.command("upload")

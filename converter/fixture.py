@@ -145,11 +145,17 @@ SIDE_FILES = {
 }
 
 
+def fixture_bytes(spec: FixtureSpec) -> int:
+    """The bytes of tensor data ``make_fixture`` writes (what its progress counts to)."""
+    return sum(_out_tensor(*e).nbytes for e in _tensors(spec))
+
+
 def make_fixture(dst: str, spec: FixtureSpec = FixtureSpec(), encoder: Encoder = mxfp4.encode,
-                 device: str = "cpu") -> list[str]:
+                 device: str = "cpu", progress: Callable[[int], None] | None = None) -> list[str]:
     """Write the checkpoint into ``dst`` (created). Returns the shard file names.
 
     ``device="cuda"`` draws and encodes the weights on a GPU: tens of GB in a minute.
+    ``progress`` is told the bytes of each tensor written (a real-dims fixture takes minutes on a CPU).
     """
     os.makedirs(dst, exist_ok=True)
     gen = torch.Generator(device).manual_seed(spec.seed)
@@ -170,6 +176,8 @@ def make_fixture(dst: str, spec: FixtureSpec = FixtureSpec(), encoder: Encoder =
                 packed, scale = encoder(_student_t(gen, rows, cols) * 0.02)
                 data, scales[name] = (packed, scale) if kind == "packed" else (scale, packed)
             writers[shard].write(out.name, data.cpu().numpy())
+            if progress:
+                progress(out.nbytes)
         for w in writers:
             w.close()
     except BaseException:

@@ -40,8 +40,6 @@ def _block_summary(path: tuple[str, ...], block: dict) -> dict[str, Any]:
 
 def _detect(blocks: list[tuple[tuple[str, ...], dict]], has_manifest: bool) -> tuple[str, str]:
     """(kind, a sentence) from the quantization blocks and the presence of a k3convert manifest."""
-    from .verify import int4_block_problems
-
     if not blocks:
         return UNQUANTIZED, "no quantization_config (unquantized, or not a checkpoint k3convert knows)"
     if any(ckpt.is_mxfp4(b) for _, b in blocks):
@@ -49,6 +47,8 @@ def _detect(blocks: list[tuple[tuple[str, ...], dict]], has_manifest: bool) -> t
         what = "AMD Quark MXFP4" if "quark" in methods else "vLLM fp8 config, MXFP4 experts (store_dtype mxfp4)" \
             if "fp8" in methods else f"compressed-tensors {ckpt.MXFP4_FORMAT}"
         return MXFP4_SOURCE, f"MXFP4 source ({what}): k3convert converts this"
+    from .verify import int4_block_problems  # imports torch (seconds): not for a source
+
     if all(not int4_block_problems(b) for _, b in blocks):
         if has_manifest:
             return K3_OUTPUT, "k3convert int4 output (compressed-tensors pack-quantized int4, group 32, symmetric)"
@@ -200,6 +200,11 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
+def missing_shards(info: dict[str, Any]) -> list[str]:
+    """Shards the checkpoint's index names that are not there (inspect then exits 2: bad input)."""
+    return [s["name"] for s in info.get("shards") or [] if s.get("missing")]
+
+
 def format_info(info: dict[str, Any]) -> str:
     """The readable summary the CLI prints."""
     if info.get("kind") == "safetensors shard":
@@ -214,7 +219,7 @@ def format_info(info: dict[str, Any]) -> str:
              f"  shards:       {info['shard_count']} ({_gb(info['bytes'])})",
              f"  tensors:      {info['tensors']} ({', '.join(f'{k} {v}' for k, v in info['dtypes'].items())}); "
              f"quantized modules (weight_packed): {info['quantized_modules']}"]
-    missing = [s["name"] for s in info["shards"] if s.get("missing")]
+    missing = missing_shards(info)
     if missing:
         lines.append(f"  MISSING:      {', '.join(missing)}")
     if not info["quantization_configs"]:

@@ -25,6 +25,8 @@ V = "vllm 0.33.0 "
 KIMI = V + "models/kimi_k3/amd/"
 MINIMAX = V + "models/minimax_m3/amd/model.py"
 MIMO = V + "model_executor/models/mimo_v2.py"
+LING = V + "model_executor/models/bailing_moe_v3.py"
+GLM5 = V + "models/glm5next/common/model.py"
 QKV = V + "model_executor/layers/linear.py 1065-1071 (QKVParallelLinear: divide() asserts)"
 
 
@@ -79,10 +81,18 @@ _MIMO = (
     Refusal("num_key_value_heads", "kv", QKV),
     Refusal("swa_num_key_value_heads", "kv", QKV),
 )
+# Ling-3.0: no TP > experts check in its MoE (1157-1227); its MLA asserts the heads split
+_LING = (Refusal("num_attention_heads", "tp|", LING + " 480 (BailingMoeV3MLAAttention)"),)
+_GLM5 = (
+    Refusal("hidden_act", "is", GLM5 + " 202-205 (Glm5NextMLP) and 243-247 (Glm5NextMoE: only silu)", ("silu",)),
+    Refusal("num_attention_heads", "tp|", GLM5 + " 765-768 (Glm5NextModel)"),
+)
 LOADERS: dict[str, tuple[Refusal, ...]] = {
     "kimi_k3": _KIMI, "kimi_linear": _KIMI,
     "minimax_m3_vl": _MINIMAX, "minimax_m3_text": _MINIMAX,
     "mimo_v2_flash": _MIMO, "mimo_v2": _MIMO,
+    "bailing_hybrid": _LING, "bailing_moe_v3": _LING,
+    "glm5_next": _GLM5, "glm5_next_text": _GLM5,
 }
 
 

@@ -185,6 +185,10 @@ def shard_metadata(source: dict[str, str], activation: dict[str, Any], what: str
     return meta
 
 
+# E8M0 scale bytes as a uint8 tensor or as safetensors' F8_E8M0 (Ling's weight_scale_inv): the same bytes
+E8M0_DTYPES = ("U8", "F8_E8M0")
+
+
 def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: list[str],
           unread: set[str]) -> dict[str, Convert]:
     """Every MXFP4 module of the checkpoint, its packed and scale tensors found in any shard
@@ -206,7 +210,7 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
             if f"{module}.{source.scale_suffix}" not in unread:
                 problems.append(f"{where}: no {source.scale_suffix} for it in any shard")
             continue
-        if t.dtype != "U8" or scale.dtype != "U8":
+        if t.dtype != "U8" or scale.dtype not in E8M0_DTYPES:
             problems.append(f"{where}: expected uint8 packed and scale, got {t.dtype} and {scale.dtype}")
             continue
         if len(t.shape) != 2 or len(scale.shape) != 2:
@@ -227,7 +231,7 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
     problems += _collisions(tensors, converts)
     suffix = "." + source.scale_suffix
     for name, t in tensors.items():  # a scale whose packed tensor is nowhere would pass through as data
-        if not name.endswith(suffix) or t.dtype != "U8":
+        if not name.endswith(suffix) or t.dtype not in E8M0_DTYPES:
             continue
         module = name[: -len(suffix)]
         packed = f"{module}.{source.packed_suffix}"
@@ -351,6 +355,29 @@ def _linked_folder_problem(src: str, d: str, name: str, roots: tuple[str, ...]) 
     return None
 
 
+# a side file some writers add that repeats config.json's quantization_config (auto-round 0.16's model-free
+# export, compressors/model_free.py 1576-1581): copied, it would describe DST's int4 weights as MXFP4
+RESTATED_QUANT_CONFIGS = ("quantization_config.json",)
+
+
+def _restated_quant_configs(src: str, config: dict) -> set[str]:
+    """The side files of RESTATED_QUANT_CONFIGS that hold exactly one of config.json's MXFP4 blocks: not copied
+    (config.json's replaced block is DST's one description); one that says anything else is copied as it is."""
+    blocks = [b for _, b in ckpt.quant_blocks(config)]
+    out = set()
+    for rel in RESTATED_QUANT_CONFIGS:
+        path = os.path.join(src, rel)
+        if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) > 1 << 24:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                if json.load(f) in blocks:
+                    out.add(rel)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def _other_files(src: str, skip: set[str], roots: tuple[str, ...], problems: list[str]) -> list[str]:
     """Side files (tokenizer, chat template, remote code) to copy; each must lie inside SRC and have a
     name the Hub can hold. Links to folders inside SRC are followed (their files copied as regular files)."""
@@ -465,7 +492,8 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     if not problems and not converts:
         problems.append(f"directory {src}: the quantization config selects no {source.packed_suffix}/"
                         f"{source.scale_suffix} pair")
-    others = _other_files(src, {"config.json", ckpt.INDEX} | set(by_shard), roots, problems)
+    others = _other_files(src, {"config.json", ckpt.INDEX} | set(by_shard) | _restated_quant_configs(src, config),
+                          roots, problems)
     if problems:
         raise BadInput(f"{len(problems)} problem(s) in {src}:\n  " + "\n  ".join(problems)
                        if len(problems) > 1 else problems[0])

@@ -197,6 +197,9 @@ def expected_modules(profile: Profile, config: dict) -> dict[str, tuple[int, int
             layers = range(count(inv["layer_count"], MAX_LAYERS))
         else:
             layers = range(*(count(k, MAX_LAYERS) for k in inv["layers"]))
+            if isinstance(inv.get("extra_layers"), str) and _has(config, inv["extra_layers"]):
+                # layers past the end that the same names carry (Ling's MTP MoE layers, bailing_moe_v3_mtp.py 162-173)
+                layers = range(layers.start, layers.stop + count(inv["extra_layers"], MAX_LAYERS))
         experts = count(inv["experts"], MAX_EXPERTS)
         shapes = {proj: tuple(count(k, MAX_DIM) for k in dims) for proj, dims in inv["shapes"].items()}
     except KeyError as e:
@@ -269,8 +272,16 @@ def _has(config: dict, key: str) -> bool:
 
 
 def _moe_layers(profile: Profile, config: dict, key: str) -> list[int]:
-    """The MoE layers of a per-layer 0/1 list (MiniMax-M3's and MiMo's ``moe_layer_freq``)."""
+    """The MoE layers of a per-layer 0/1 list (MiniMax-M3's and MiMo's ``moe_layer_freq``), or of a
+    per-layer list of names where the inventory's ``moe_value`` names the MoE layers (GLM-5.3's
+    ``mlp_layer_types``, "sparse")."""
     mask = lookup(config, key)
+    named = (profile.inventory or {}).get("moe_value")
+    if isinstance(named, str):
+        if not (isinstance(mask, list) and len(mask) <= MAX_LAYERS and all(isinstance(x, str) for x in mask)):
+            raise BadInput(f"profile {profile.name!r}: config.json {key} is {str(mask)[:40]}, expected one name "
+                           f"per layer, {named!r} for MoE (at most {MAX_LAYERS:,})")
+        return [i for i, kind in enumerate(mask) if kind == named]
     if not (isinstance(mask, list) and len(mask) <= MAX_LAYERS and all(type(x) in (int, bool) for x in mask)):
         raise BadInput(f"profile {profile.name!r}: config.json {key} is {str(mask)[:40]}, expected one integer "
                        f"per layer, nonzero for MoE (at most {MAX_LAYERS:,})")

@@ -120,24 +120,29 @@ def _cmp_summary(rs: list[TensorFigures]) -> dict:
             "cmp_out_rel_worst": max(outs) if outs else None, "cmp_ratio": error_ratio(rs)}
 
 
+def _num(v: float | None, spec: str, unit: str = "") -> str:
+    return "-" if v is None else f"{v:{spec}}{unit}"
+
+
 def format_table(layers: list[dict], limit: int = 12, rule: str = "optimal") -> str:
     """A compact table for the terminal: the worst layers first when there are many; with the
-    other scale rule's figures and their ratio to ours where the report has them."""
+    other scale rule's figures and their ratio to ours where the report has them. Each heading
+    names one column, with its unit, and sits right-aligned over its numbers, two spaces apart."""
     cmp = any(r.get("cmp_rel_rmse_mean") is not None for r in layers)
-    head = f"{'layer':>5} {'tensors':>7} {'relRMSE mean':>12} {'worst':>8} {'SNR dB min':>10} {'out err worst':>13}"
-    if cmp:
-        head += f" {cmp_label(rule)[0] + ' relRMSE':>16} {'ratio':>6}"
     shown = sorted(layers, key=lambda r: -r["rel_rmse_worst"])[:limit] if len(layers) > limit else layers
-    lines = [head]
-    for r in shown:
-        out = f"{r['out_rel_worst']:.4f}" if r["out_rel_worst"] is not None else "-"
-        layer = "-" if r["layer"] is None else r["layer"]
-        line = (f"{layer:>5} {r['tensors']:>7} {r['rel_rmse_mean']:>12.4f} {r['rel_rmse_worst']:>8.4f} "
-                f"{r['snr_db_worst']:>10.2f} {out:>13}")
-        if cmp:
-            c, q = r.get("cmp_rel_rmse_mean"), r.get("cmp_ratio")
-            line += f" {'-' if c is None else f'{c:.4f}':>16} {'-' if q is None else f'{q:.2f}x':>6}"
-        lines.append(line)
+    cols = [("layer", lambda r: "-" if r["layer"] is None else str(r["layer"])),
+            ("tensors", lambda r: str(r["tensors"])),
+            ("rel RMSE mean", lambda r: _num(r["rel_rmse_mean"], ".4f")),
+            ("rel RMSE worst", lambda r: _num(r["rel_rmse_worst"], ".4f")),
+            ("SNR min (dB)", lambda r: _num(r["snr_db_worst"], ".2f")),
+            ("out err worst", lambda r: _num(r["out_rel_worst"], ".4f"))]
+    if cmp:
+        cols += [(f"{cmp_label(rule)[0]} rel RMSE", lambda r: _num(r.get("cmp_rel_rmse_mean"), ".4f")),
+                 ("ratio (x ours)", lambda r: _num(r.get("cmp_ratio"), ".2f", "x"))]
+    cells = [[f(r) for _, f in cols] for r in shown]
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, (h, _) in enumerate(cols)]
+    lines = ["  ".join(h.rjust(w) for (h, _), w in zip(cols, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     if len(layers) > limit:
         lines.append(f"({limit} worst of {len(layers)} layers shown)")
     return "\n".join(lines)

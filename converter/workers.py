@@ -257,6 +257,11 @@ def _serve(device: str, share: int, parent: int, tasks, events) -> None:
         events.put(("error", {"shard": None, "message": f"worker on {device} failed: {e!r}", "code": 1}))
     finally:  # from here on, a SIGTERM just ends the process (no traceback at exit)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # done: every event reaches the parent, then the process ends at once (torch's and numba's
+    # teardown takes a second or more, and the parent would wait for it at the run's end)
+    events.close()
+    events.join_thread()
+    os._exit(0)
 
 
 class Workers:

@@ -11,6 +11,9 @@ every channel it is given takes part. ``fault`` plants one defect:
   "minus8"    reads nibble 0x8 as +8 (an unsigned offset), not -8
   "layout"    reads the weights without the (16, 16) preshuffle (a permuted layout)
   "remote"    computes experts another rank owns, with this rank's expert of the same index
+A fault written ``"minus8@32"`` is planted only in the kernel variant of that M tile: like aiter's
+untuned int4 MoE (``fused_moe.py`` get_2stage_cfgs), the simulated kernel picks tile 16 below 2048
+tokens, 32 below 16384 and 64 above, so e.g. only prefill batches of 2048+ tokens misread -8.
 """
 from __future__ import annotations
 
@@ -89,6 +92,17 @@ class Helpers:
         return (codes.view(e, n, k).float() * scales.repeat_interleave(32, dim=-1)).to(packed.device)
 
 
+def tile(tokens: int) -> int:
+    """aiter's untuned M tile for a batch of ``tokens`` tokens (aiter/fused_moe.py get_2stage_cfgs)."""
+    return 16 if tokens < 2048 else 32 if tokens < 16384 else 64
+
+
+def planted(fault: str, tokens: int) -> str:
+    """The fault this call computes: ``fault`` unless it is limited to another tile (``name@tile``)."""
+    name, _, only = fault.partition("@")
+    return name if not only or int(only) == tile(tokens) else ""
+
+
 def glu_bf16(h13: torch.Tensor, beta: float, linear_beta: float | None, fault: str) -> torch.Tensor:
     g, u = h13.float().chunk(2, dim=-1)
     if fault == "silu":
@@ -109,6 +123,7 @@ def moe(helpers: Helpers, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor
     kernel that consumes_expert_mask: 1 for this rank's experts over the global ids, local experts in
     id order); None: every expert is local.
     """
+    fault = planted(fault, x.shape[0])
     expert_map = None
     if expert_mask is not None:
         m = expert_mask.view(-1).to(torch.int64).cpu()
@@ -117,16 +132,17 @@ def moe(helpers: Helpers, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor
     hidden, inter = w2.shape[1], n13 // 2
     W13 = helpers.decode(w13, s13, n13, h2 * 2, fault)
     W2 = helpers.decode(w2, s2, hidden, inter, fault)
+    gid = topk_ids.long().cpu()
+    local = gid if expert_map is None else expert_map[gid]
+    if fault == "remote":
+        local = torch.where(local < 0, gid % e, local)
+    local = local.to(x.device)
     out = torch.zeros(x.shape[0], hidden, dtype=torch.float32, device=x.device)
-    for t in range(x.shape[0]):
-        for slot in range(topk_ids.shape[1]):
-            gid = int(topk_ids[t, slot])
-            local = gid if expert_map is None else int(expert_map[gid])
-            if local < 0:
-                if fault != "remote":
-                    continue
-                local = gid % e
-            h = (x[t].float() @ W13[local].T).to(torch.bfloat16)
-            y = glu_bf16(h, beta, linear_beta, fault).float() @ W2[local].T
-            out[t] += topk_weights[t, slot].float() * y
+    for le in range(e):
+        tok, slot = (local == le).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = (x[tok].float() @ W13[le].T).to(torch.bfloat16)
+        y = glu_bf16(h, beta, linear_beta, fault).float() @ W2[le].T
+        out.index_add_(0, tok, topk_weights[tok, slot].float()[:, None] * y)
     return out.to(torch.bfloat16)

@@ -49,8 +49,20 @@ def fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def write(dst: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The checkpoint in ``dst``; returns the float experts it packed, by module."""
+# MiMo-V2.6-Flash(-RL)'s additions as vLLM 0.33.0 reads them (no V2.6 checkpoint is read here): attention
+# sinks on the sliding-window layers (mimo_v2.py 314-316, 418-420: ``self_attn.attention_sink_bias``
+# [heads] fp32), a value scale and the SWA rope theta (402-422), and one MTP layer under
+# ``model.mtp.layers.0`` (mimo_v2_mtp.py 8-18: enorm, hnorm, eh_proj, attention, pre_mlp_layernorm,
+# a dense MLP, final_layernorm), which the main model's loader skips (mimo_v2.py 895) and whose
+# o_proj vLLM builds unquantized (299); the many-shard layout cuts shards in the middle of experts
+# (a weight in one file, its scale in the next).
+V26 = dict(add_swa_attention_sink_bias=True, attention_value_scale=0.707, swa_rope_theta=10000.0,
+           num_nextn_predict_layers=1)
+
+
+def write(dst: str, seed: int = 0, v26: bool = False, shards: int = 1) -> dict[str, torch.Tensor]:
+    """The checkpoint in ``dst``; returns the float experts it packed, by module. ``v26``: MiMo-V2.6's
+    additions (V26); ``shards``: cut the tensors, in file order, into that many files with an index."""
     torch.manual_seed(seed)
     os.makedirs(dst, exist_ok=True)
     h, e, inter = TEXT["hidden_size"], TEXT["n_routed_experts"], TEXT["moe_intermediate_size"]
@@ -71,6 +83,8 @@ def write(dst: str, seed: int = 0) -> dict[str, torch.Tensor]:
         for name, rows in (("q_proj", heads), ("k_proj", kv), ("v_proj", kv)):
             fp8(f"{p}.self_attn.{name}", rows, h)
         fp8(f"{p}.self_attn.o_proj", h, heads)
+        if v26 and TEXT["hybrid_layer_pattern"][layer]:
+            out[f"{p}.self_attn.attention_sink_bias"] = torch.zeros(TEXT["swa_num_attention_heads"])
         if not moe:
             d = TEXT["intermediate_size"]
             fp8(f"{p}.mlp.gate_proj", d, h)
@@ -84,7 +98,40 @@ def write(dst: str, seed: int = 0) -> dict[str, torch.Tensor]:
                 m = f"{p}.mlp.experts.{x}.{proj}"
                 experts[m] = heavy_tailed(*shape).bfloat16()
                 out[f"{m}.weight"], out[f"{m}.weight_scale"] = ct_mxfp4_encode(experts[m].float())
-    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    if v26:
+        m = "model.mtp.layers.0"
+        for norm in ("enorm", "hnorm", "input_layernorm", "pre_mlp_layernorm", "final_layernorm"):
+            out[f"{m}.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        fp8(f"{m}.eh_proj", h, 2 * h)
+        heads = TEXT["swa_num_attention_heads"] * TEXT["swa_head_dim"]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            fp8(f"{m}.self_attn.{name}", heads, h)
+        out[f"{m}.self_attn.o_proj.weight"] = heavy_tailed(h, heads).bfloat16()    # unquantized (mimo_v2.py 299)
+        out[f"{m}.self_attn.attention_sink_bias"] = torch.zeros(TEXT["swa_num_attention_heads"])
+        d = TEXT["intermediate_size"]
+        fp8(f"{m}.mlp.gate_proj", d, h)
+        fp8(f"{m}.mlp.up_proj", d, h)
+        fp8(f"{m}.mlp.down_proj", h, d)
+    _save(dst, out, shards)
     with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump({**TEXT, "quantization_config": dict(QUANT)}, f, indent=2)
+        json.dump({**TEXT, **(V26 if v26 else {}), "quantization_config": dict(QUANT)}, f, indent=2)
     return experts
+
+
+def _save(dst: str, out: dict[str, torch.Tensor], shards: int) -> None:
+    """One model.safetensors, or ``shards`` files of about equal tensor count in insertion order (so a
+    module's weight and scale can land in different files) and the index."""
+    if shards == 1:
+        save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(out)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for i in range(shards):
+        shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: out[n] for n in names[i * per:(i + 1) * per]}
+        save_file(part, os.path.join(dst, shard), metadata={"format": "pt"})
+        weight_map.update({n: shard for n in part})
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in out.values())},
+                   "weight_map": weight_map}, f, indent=2)

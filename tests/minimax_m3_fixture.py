@@ -116,3 +116,61 @@ def write_quark(dst: str, quark_block: dict, seed: int = 0) -> None:
     config["quantization_config"] = {**quark_block, "exclude": list(QUARK_EXCLUDE)}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+
+
+# What a user passes auto-round as --ignore_layers to keep MiniMax-M3's non-expert linears in bf16
+AUTO_ROUND_IGNORE = ("self_attn", "shared_experts", ".mlp.", "vision_tower")
+
+
+def write_auto_round(dst: str, seed: int = 0, version: str | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint as auto-round 0.16's model-free MXFP4 export writes it (auto_round/compressors/
+    model_free.py, utils/model_free_utils.py, read from the 0.16.1 wheel):
+
+    - ``quantization_config`` at top level (nested ones removed, model_free.py 1569-1578) and again in
+      ``quantization_config.json`` (1580-1581): compressed-tensors' ``QuantizationConfig`` of the
+      ``MXFP4`` preset on ``targets ["Linear"]`` (W4A4: MXFP4 dynamic input activations), status
+      compressed, ``format mxfp4-pack-quantized``, ``provider: "auto-round"`` (model_free_utils.py
+      2744-2752, 2586-2589), ``version`` = the compressed-tensors that wrote the JSON (``version``
+      overrides it); ``ignore`` = every 2-D ``.weight`` left unquantized, by exact name (2689-2693;
+      the router by auto-round's predefined skips, the rest by --ignore_layers, 1355-1368);
+    - tensors ``X.weight_packed`` uint8 (low nibble first, qlinear_fp.py 234-275, adapted from
+      compressed-tensors) + ``X.weight_scale`` uint8 = shared exponent + 127 (qlinear_fp.py 44, 170),
+      the bytes compressed-tensors' packer writes, so packed here by it; everything else as in the source;
+    - shards keep the source's names, ``save_file`` with no metadata (2532-2561), index
+      ``{"metadata": {"total_size": 0}, "weight_map"}`` with indent 2 (2564-2578).
+    """
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
+
+    os.makedirs(dst, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}, {}]
+    experts, ignore = {}, []
+    for name, t in tensors(seed).items():
+        s = 1 if name.startswith(f"{PREFIX}.2.") or name.startswith("language_model.lm_head") else 0
+        if is_expert(name):
+            module = name[: -len(".weight")]
+            experts[module] = t
+            shards[s][f"{module}.weight_packed"], shards[s][f"{module}.weight_scale"] = ct_mxfp4_encode(t.float())
+            continue
+        shards[s][name] = t
+        if name.endswith(".weight") and t.dim() == 2:   # embeddings too (predefined skip "embed", 48)
+            ignore.append(name[: -len(".weight")])
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    weight_map = {}
+    for shard, part in zip(names, shards):
+        save_file(part, os.path.join(dst, shard))
+        weight_map.update({t: shard for t in part})
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f, indent=2)
+    block = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("MXFP4", ["Linear"])},
+                               quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore).to_dict()
+    block["format"] = "mxfp4-pack-quantized"
+    block["provider"] = "auto-round"
+    if version is not None:
+        block["version"] = version
+    config = {"model_type": "minimax_m3_vl", "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+              "text_config": dict(TEXT), "torch_dtype": "bfloat16", "quantization_config": block}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(dst, "quantization_config.json"), "w") as f:
+        json.dump(block, f, indent=2)
+    return experts

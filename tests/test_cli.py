@@ -159,3 +159,102 @@ def test_job_file_options_relative_paths_and_command_line_wins(fixture_src, tmp_
     job.write_text('src = "../src"\nmax_rel_rmse = 0.2\nworkerz = 2\n')
     r = run_cli("mxfp4-to-int4", "--config", job)
     assert r.exit_code == 2 and str(job) in r.output and "workerz" in r.output
+
+
+# ------------------------------------------------------------------ issue 24 §3: the small things
+
+def test_unknown_command_names_the_close_ones():
+    """'convert' once said only "No such command"; a word people reach for names the command."""
+    for typed, meant in (("convert", "mxfp4-to-int4"), ("quantize", "mxfp4-to-int4"), ("verfy", "verify"),
+                         ("inspct", "inspect"), ("fixture", "make-fixture"), ("make-fixtures", "make-fixture")):
+        r = run_cli(typed, "src")
+        assert r.exit_code == 2, (typed, r.output)
+        assert r.stderr.strip() == f"k3convert: error: No such command '{typed}'. Did you mean {meant}?", r.stderr
+    r = run_cli("frobnicate")
+    assert r.exit_code == 2 and "Did you mean" not in r.stderr and "k3convert --help" in r.stderr, r.stderr
+
+
+def test_dry_run_sizes_for_people_exact_bytes_in_json(fixture_src, tmp_path):
+    r = run_cli("mxfp4-to-int4", fixture_src, "-o", tmp_path / "d", "--dry-run", "--devices", "cpu")
+    assert r.exit_code == 0, r.output
+    lines = dict(line.strip().split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+    size = re.compile(r"^\d+(\.\d+)? (B|kB|MB|GB|TB)$")
+    for key in ("bytes_in", "bytes_out", "free_bytes_at_dst"):
+        assert size.match(lines[key]), (key, lines[key])  # once free_bytes_at_dst: 66821144576
+    r = run_cli("mxfp4-to-int4", fixture_src, "-o", tmp_path / "d", "--dry-run", "--devices", "cpu",
+                "--progress", "json")
+    info = json.loads(r.stdout)
+    assert all(isinstance(info[k], int) and info[k] > 0 for k in ("bytes_in", "bytes_out", "free_bytes_at_dst"))
+    from converter.progress import human_bytes
+    assert lines["bytes_out"] == human_bytes(info["bytes_out"])
+
+
+def test_figures_table_columns_align_under_their_headings():
+    """Each heading is one column (two spaces apart, with its unit), right-aligned over its numbers;
+    once 'relRMSE mean    worst SNR dB min out err worst' read as one run of words."""
+    from converter.validate import format_table
+
+    layers = [{"layer": 1, "tensors": 24, "rel_rmse_mean": 0.0955, "rel_rmse_worst": 0.1003, "snr_db_worst": 19.97,
+               "out_rel_worst": 0.1135, "cmp_rel_rmse_mean": 0.1237, "cmp_ratio": 1.2953},
+              {"layer": 12, "tensors": 3, "rel_rmse_mean": 0.09, "rel_rmse_worst": 0.1, "snr_db_worst": 9.5,
+               "out_rel_worst": None, "cmp_rel_rmse_mean": None, "cmp_ratio": None}]
+    head, *rows = format_table(layers).splitlines()
+    names = re.split(r" {2,}", head.strip())
+    assert names == ["layer", "tensors", "rel RMSE mean", "rel RMSE worst", "SNR min (dB)", "out err worst",
+                     "server rel RMSE", "ratio (x ours)"]
+    ends = [head.index(n) + len(n) for n in names]  # each heading's right edge
+    for row in rows:
+        cells = row.split()
+        assert len(cells) == len(names) and [m.end() for m in re.finditer(r"\S+", row)] == ends, row
+    assert rows[0].split()[2:] == ["0.0955", "0.1003", "19.97", "0.1135", "0.1237", "1.30x"]
+    assert rows[1].split()[5:] == ["-", "-", "-"]
+
+
+def test_inspect_with_missing_shards_exits_2(fixture_src, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_src, src)
+    gone = shard_names(src)[1]
+    os.unlink(src / gone)
+    for extra in ((), ("--json",)):
+        r = run_cli("inspect", src, *extra)
+        assert r.exit_code == 2, r.output  # was 0 after printing MISSING
+        assert r.stderr.strip() == (f"k3convert: error: file {src}: 1 shard(s) named by the index are missing: "
+                                    f"{gone}"), r.stderr
+    assert f"MISSING:      {gone}" in r.stdout or gone in r.stdout  # still described
+
+
+def test_demo_removes_its_temporary_folder_unless_keep(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    r = run_cli("demo")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert os.listdir(tmp_path) == []  # once 11 MB of /tmp/k3convert-demo-* left per run, without a word
+    assert r.stdout.splitlines()[-1].startswith(f"removed {tmp_path}{os.sep}k3convert-demo-")
+    assert r.stderr.splitlines()[0].startswith("demo: ") and "--keep" in r.stderr.splitlines()[0]
+    r = run_cli("demo", "--keep")
+    assert r.exit_code == 0, r.output
+    (kept,) = os.listdir(tmp_path)
+    assert r.stdout.splitlines()[-1] == f"kept in {tmp_path / kept}"
+    assert read_json(tmp_path / kept / "kimi-k3-fixture-int4" / MANIFEST)["complete"] is True
+
+
+def test_make_fixture_shows_progress_to_its_total(tmp_path):
+    """A real-dims fixture takes minutes on a CPU (once 131 s without a word): each tensor written
+    is reported, and the reports add up to the tensor bytes in the files."""
+    from converter.fixture import FixtureSpec, fixture_bytes, make_fixture
+    from converter.formats.safetensors_io import read_header
+
+    spec = FixtureSpec(layers=2, experts=2, shards=2)
+    seen: list[int] = []
+    names = make_fixture(str(tmp_path / "f"), spec, progress=seen.append)
+    written = sum(t.nbytes for n in names for t in read_header(str(tmp_path / "f" / n)).tensors.values())
+    assert len(seen) > 20 and sum(seen) == fixture_bytes(spec) == written
+    r = run_cli("make-fixture", tmp_path / "g", "--layers", 2, "--experts", 2, "--shards", 2)
+    assert r.exit_code == 0, r.output
+    assert r.stderr.startswith("writing a Kimi-K3-shaped MXFP4 fixture (2 layers, 2 experts, 2 shards) to ")
+    from tqdm import tqdm
+    total = tqdm.format_sizeof(fixture_bytes(spec), divisor=1000)
+    assert re.search(rf"fixture: +\d+%\|.*\| [\d.]+[kM]?/{re.escape(total)} ", r.stderr), r.stderr  # a bar to the total

@@ -107,3 +107,36 @@ def test_a_config_without_moe_layer_freq_is_refused(done, tmp_path):
     src = _edited(done[0], str(tmp_path), lambda c: c.pop("moe_layer_freq"))
     with pytest.raises(BadInput, match="needs moe_layer_freq in config.json"):
         convert(src, str(tmp_path / "dst"), Options())
+
+
+def test_v26_flash_layout_converts(tmp_path):
+    """MiMo-V2.6-Flash's additions (mimo_v2_fixture.V26: SWA attention sinks, an MTP layer with FP8
+    linears and an unquantized o_proj) over 7 shards cut mid-module: the experts (some with weight and
+    scale in different files) become int4, every FP8 linear, the MTP's included, is named by the FP8
+    group and keeps its bytes, sinks and the MTP o_proj pass through, verify and vLLM's serving model pass."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    mimo.write(src, v26=True, shards=7)
+    index = read_json(os.path.join(src, "model.safetensors.index.json"))["weight_map"]
+    split = [n[: -len(".weight")] for n in index if ".mlp.experts." in n and n.endswith(".weight")
+             and index[n] != index[n[: -len(".weight")] + ".weight_scale"]]
+    assert split, "the fixture should cut some expert between its weight and its scale"
+    convert(src, dst, Options())
+    before, after = all_tensors(src), all_tensors(dst)
+    assert len([n for n in after if n.endswith(".weight_packed")]) == 2 * 4 * 3
+    for m in split:
+        want = ct_mxfp4_values(before[f"{m}.weight"][1], before[f"{m}.weight_scale"][1])
+        assert (ct_int4_values(after, m) - want).norm() / want.norm() < 0.12, m
+    fp8 = read_json(os.path.join(dst, "config.json"))["quantization_config"]["config_groups"]["group_1"]["targets"]
+    mtp = [t for t in fp8 if t.startswith("model.mtp.layers.0.")]
+    assert sorted(mtp) == sorted(f"model.mtp.layers.0.{n}" for n in ("eh_proj", "self_attn.q_proj", "self_attn.k_proj",
+                                                                     "self_attn.v_proj", "mlp.gate_proj",
+                                                                     "mlp.up_proj", "mlp.down_proj"))
+    for n in ("model.layers.1.self_attn.attention_sink_bias", "model.mtp.layers.0.self_attn.o_proj.weight",
+              "model.mtp.layers.0.self_attn.attention_sink_bias", "model.mtp.layers.0.eh_proj.weight"):
+        assert tensor_bytes(before[n][1]) == tensor_bytes(after[n][1]), n
+    assert tensor_bytes(before["model.mtp.layers.0.eh_proj.weight_scale_inv"][1]) == \
+        tensor_bytes(after["model.mtp.layers.0.eh_proj.weight_scale"][1])
+    result = verify(dst, src)
+    assert result.ok, [p for c in result.checks for p in c.problems]
+    rocm = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", 1)}
+    assert all(r.ok for r in rocm.values()), [r.message for r in rocm.values() if not r.ok]

@@ -147,3 +147,69 @@ def test_an_incomplete_download_is_caught_by_the_inventory(tmp_path):
     save_file(t, path, metadata={"format": "pt"})
     with pytest.raises(BadInput, match=rf"expected 24 expert matrices, found 23: missing {re.escape(gone)}"):
         convert(src, str(tmp_path / "dst"), Options())
+
+
+# ---------------------------------------------------------------------------- the real writers (issue 26 §1)
+
+def test_auto_round_model_free_export_converts_to_the_same_int4(done, tmp_path):
+    """auto-round 0.16's model-free MXFP4 export (minimax_m3_fixture.write_auto_round): W4A4 preset on
+    targets ["Linear"], exact-name ignore, provider auto-round, two metadata-free shards, total_size 0,
+    a quantization_config.json beside config.json. It is refused without --drop-activation-quant; with
+    it the int4 is byte-identical to the compressed-tensors route's, and the stale quantization_config.json
+    (MXFP4 W4A4, targets Linear) is not copied into DST."""
+    from converter.errors import BadInput
+    from converter.verify import verify
+
+    src = str(tmp_path / "src")
+    mm3.write_auto_round(src)
+    with pytest.raises(BadInput, match="input activations.*--drop-activation-quant"):
+        convert(src, str(tmp_path / "refused"), Options())
+    dst = str(tmp_path / "dst")
+    convert(src, dst, Options(drop_activation_quant=True))
+    assert not os.path.exists(os.path.join(dst, "quantization_config.json"))
+    assert read_json(os.path.join(dst, "k3convert_manifest.json"))["source"]["profile"]["name"] == "minimax-m3"
+    ours, ct = all_tensors(dst), all_tensors(done[1])
+    assert set(ours) == set(ct)
+    for n in ct:
+        assert tensor_bytes(ours[n][1]) == tensor_bytes(ct[n][1]), n
+    result = verify(dst, src)
+    assert result.ok, [p for c in result.checks for p in c.problems]
+
+
+def test_auto_round_bytes_are_ocp_whatever_compressed_tensors_version_wrote_the_config(done, tmp_path):
+    """auto-round packs E8M0 itself (exponent + 127, qlinear_fp.py 44, 170): a config written under
+    compressed-tensors 0.13.1a20260108 (whose own packer used bias 125) still holds OCP bytes. Read by
+    the version alone (74b0137), every scale would be shifted by 2 (4x the weights)."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    mm3.write_auto_round(src, version="0.13.1a20260108")
+    convert(src, dst, Options(drop_activation_quant=True))
+    quant = read_json(os.path.join(dst, "k3convert_manifest.json"))["source"]["quantization"]
+    assert quant["scale_bias"] == 127 and "auto-round" in quant["scale_convention"]
+    ours, ct = all_tensors(dst), all_tensors(done[1])
+    for n in ct:
+        assert tensor_bytes(ours[n][1]) == tensor_bytes(ct[n][1]), n
+
+
+def test_quark_minimax_m3_vl_template_export_is_refused_by_name(tmp_path):
+    """amd-quark 0.13's minimax_m3_vl template (quantization/config/template.py) excludes the head,
+    vision tower, projector, router and attention only: its export holds MXFP4 shared experts and dense
+    MLPs, which this experts-only profile names instead of converting."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import ct_mxfp4_encode, write_json
+    from converter.errors import BadInput
+
+    quark = pytest.importorskip("quark.torch.quantization.config.template")
+    src = str(tmp_path / "src")
+    cfg = quark.LLMTemplate.get("minimax_m3_vl").get_config(scheme="mxfp4")
+    mm3.write_quark(src, cfg.to_dict())
+    config = read_json(os.path.join(src, "config.json"))
+    config["quantization_config"]["exclude"] = sorted(cfg.exclude)
+    write_json(os.path.join(src, "config.json"), config)
+    path = os.path.join(src, "model.safetensors")
+    t = load_file(path)
+    shared = "language_model.model.layers.1.block_sparse_moe.shared_experts.down_proj"
+    t[f"{shared}.weight"], t[f"{shared}.weight_scale"] = ct_mxfp4_encode(t.pop(f"{shared}.weight").float())
+    save_file(t, path, metadata={"format": "pt"})
+    with pytest.raises(BadInput, match=rf"{shared}\.weight: MXFP4, but profile 'minimax-m3-quark' converts routed"):
+        convert(src, str(tmp_path / "dst"), Options(drop_activation_quant=True))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-from converter.vllm_plugin import layout, route, selftest
+from converter.vllm_plugin import layout, repair, route, selftest
 
 import aiter_sim
 import server_sources
@@ -59,10 +59,11 @@ def loaded_layer(e: int, hidden: int, inter: int, real: int, seed: int = 0):
     return w13, s13, w2, s2
 
 
-def run_selftest(helpers, fault: str = "", e: int = 4, hidden: int = 128, inter: int = 128, real: int = 128,
-                 expert_map: torch.Tensor | None = None, global_num: int | None = None, top_k: int = 4,
-                 neutralize: bool = True) -> selftest.Outcome:
-    """What process_weights_after_loading does (copies, padding, layout), then the self-test."""
+def laid_out_layer(helpers, fault: str = "", e: int = 4, hidden: int = 128, inter: int = 128, real: int = 128,
+                   expert_map: torch.Tensor | None = None, global_num: int | None = None, top_k: int = 4,
+                   neutralize: bool = True):
+    """What process_weights_after_loading does (copies, padding, layout): the laid-out tensors, the
+    self-test's copies and remote ids, and the layer's kernel call (the simulated aiter)."""
     w13, s13, w2, s2 = loaded_layer(e, hidden, inter, real)
     global_num = global_num or e
     chosen, remote = selftest.choose_experts(selftest.local_ids(expert_map, global_num), global_num, top_k)
@@ -78,6 +79,11 @@ def run_selftest(helpers, fault: str = "", e: int = 4, hidden: int = 128, inter:
     def apply(p: selftest.Probe) -> torch.Tensor:      # AITER gets vLLM's 0/1 expert mask, not the map
         return aiter_sim.moe(helpers, p13, f13, p2, f2, p.x, p.topk_weights, p.topk_ids, mask,
                              BETA, LINEAR_BETA, fault)
+    return (p13, f13, p2, f2), experts, remote, apply
+
+
+def run_selftest(helpers, fault: str = "", **kw) -> selftest.Outcome:
+    _, experts, remote, apply = laid_out_layer(helpers, fault, **kw)
     return selftest.run(apply, experts, remote, selftest.Activation(BETA, LINEAR_BETA))
 
 
@@ -124,9 +130,87 @@ def test_padding_as_vllm_leaves_it_is_refused(helpers):
     assert out.problem is not None, out.line()
 
 
-def test_minus_eight_fix_is_named(helpers):
-    out = run_selftest(helpers, fault="minus8")
-    assert "--scale-rule optimal-pm7" in out.problem
+def test_minus_eight_misread_is_told_apart(helpers):
+    """Only a fault that -8 read as another value explains can be repaired by leaving no -8."""
+    assert run_selftest(helpers, fault="minus8").minus_eight_misread
+    assert not run_selftest(helpers, fault="silu").minus_eight_misread
+    assert not run_selftest(helpers, fault="layout").minus_eight_misread
+
+
+def test_every_tile_variant_is_probed_and_logged(helpers):
+    """aiter's untuned int4 MoE: tile 16 below 2048 tokens, 32 below 16384, 64 above; each is driven
+    with the smallest token count of its band, and the line says which passed."""
+    out = run_selftest(helpers)
+    assert out.problem is None, out.line()
+    assert [(v.tile, v.tokens) for v in out.variants] == [(16, 8), (32, 2048), (64, 16384)]
+    assert [aiter_sim.tile(v.tokens) for v in out.variants] == [16, 32, 64]
+    for part in ("tile 16 (8 tokens): passed", "tile 32 (2048 tokens): passed", "tile 64 (16384 tokens): passed"):
+        assert part in out.line()
+
+
+@pytest.mark.parametrize("fault,tile,named", [("minus8@32", 32, "decodes int4 code -8 as 8"),
+                                              ("silu@64", 64, "computes SiLU"),
+                                              ("minus8@64", 64, "decodes int4 code -8 as 8")])
+def test_a_fault_in_one_variant_only_is_caught(helpers, fault, tile, named):
+    """A kernel that is right at decode sizes and wrong only in a prefill tile is refused, naming it."""
+    out = run_selftest(helpers, fault=fault)
+    failed = [v.tile for v in out.variants if v.problem]
+    assert failed == [tile], out.line()
+    assert f"tile {tile} (" in out.problem and named in out.problem
+    assert f"tile {tile} ({dict(selftest.TILE_BANDS)[tile]} tokens): FAILED" in out.line()
+
+
+@pytest.mark.parametrize("fault", ["minus8", "minus8@32"])
+def test_a_minus8_misread_ends_in_a_repaired_retested_layer(helpers, fault):
+    """The path moe_method takes: the self-test fails with -8 misread, the laid-out layer (and the
+    test's copies) are repaired in place, and the re-run self-test passes on the same kernel; the
+    figure is the layer's relative weight RMSE against the stored int4, and no -8 is left."""
+    tensors, experts, remote, apply = laid_out_layer(helpers, fault)
+    act = selftest.Activation(BETA, LINEAR_BETA)
+    first = selftest.run(apply, experts, remote, act)
+    assert first.problem is not None and first.minus_eight_misread
+    got = repair.repair_layer_(*tensors, experts.values())
+    assert 0 < got.repaired <= got.groups and 0 < got.rel_rmse < 0.1, got
+    again = selftest.run(apply, experts, remote, act)
+    assert again.problem is None, again.line()
+    assert again.minus_eight == 0
+    p13, f13, p2, f2 = tensors
+    w13, _ = repair.unlayout_(p13.clone(), f13.clone(), 256, 128)
+    w2, _ = repair.unlayout_(p2.clone(), f2.clone(), 128, 128)
+    assert not (layout.ct_words_to_codes(w13) == -8).any() and not (layout.ct_words_to_codes(w2) == -8).any()
+
+
+def test_repair_leaves_a_layer_without_minus8_alone(helpers):
+    tensors, experts, _, _ = laid_out_layer(helpers)
+    before = [t.clone() for t in tensors]
+    w13, s13 = repair.unlayout_(tensors[0], tensors[1], 256, 128)
+    codes = layout.ct_words_to_codes(w13)
+    w13.copy_(repair.codes_to_words(torch.where(codes == -8, torch.zeros_like(codes), codes)))
+    layout.convert_experts_(w13, s13)
+    w2, s2 = repair.unlayout_(tensors[2], tensors[3], 128, 128)
+    codes = layout.ct_words_to_codes(w2)
+    w2.copy_(repair.codes_to_words(torch.where(codes == -8, torch.zeros_like(codes), codes)))
+    layout.convert_experts_(w2, s2)
+    snapshot = [t.clone() for t in tensors]
+    got = repair.repair_layer_(*tensors)
+    assert got.repaired == 0 and got.err2 == 0
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, tensors))
+    assert not torch.equal(before[0], snapshot[0])
+
+
+def test_unlayout_inverts_the_layout():
+    w13, s13, _, _ = loaded_layer(3, 128, 64, 64)
+    w0, s0 = w13.clone(), s13.clone()
+    p, f = layout.convert_experts_(w13, s13)
+    w, s = repair.unlayout_(p, f, 128, 128)
+    assert torch.equal(w, w0) and torch.equal(s, s0)
+
+
+def test_minus8_refusal_switch(monkeypatch):
+    monkeypatch.delenv(repair.ENV, raising=False)
+    assert not repair.refuse()
+    monkeypatch.setenv(repair.ENV, "refuse")
+    assert repair.refuse()
 
 
 def test_neutralized_padding_is_code_zero_scale_zero():

@@ -67,7 +67,7 @@ def dialect(config: dict, config_path: str) -> str:
     hint = " (gpt-oss's MXFP4 layout, which k3convert does not read)" if b.get("quant_method") == "mxfp4" else ""
     raise BadInput(f"{dotted(p)} says quant_method={b.get('quant_method')!r}, format={b.get('format')!r}{hint}: "
                    f"k3convert converts compressed-tensors {MXFP4_FORMAT}, AMD Quark MXFP4 and vLLM fp8 (store_dtype "
-                   f"mxfp4) checkpoints",
+                   f"mxfp4, or routed_experts_quant_method mxfp4) checkpoints",
                    file=config_path)
 
 
@@ -92,6 +92,12 @@ def activation_fields(config: dict, keys: tuple[str, ...] = (), config_path: str
 
 
 NULLABLE_ACTIVATION = ("activation_situ_linear_beta",)   # null: the up projection is not clipped (vLLM's SituAndMul)
+# one value per layer, 0 or null for none (Ling: vllm 0.33.0 models/bailing_moe_v3.py 201-207, 1180-1182)
+PER_LAYER_ACTIVATION = ("expert_swiglu_limit_list",)
+
+
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def activation_type_problem(key: str, value: Any) -> str | None:
@@ -102,6 +108,9 @@ def activation_type_problem(key: str, value: Any) -> str | None:
         return None if isinstance(value, str) and value else "expected a non-empty string"
     if value is None and key in NULLABLE_ACTIVATION:
         return None
+    if key in PER_LAYER_ACTIVATION:
+        ok = isinstance(value, list) and len(value) <= 4096 and all(v is None or _finite(v) for v in value)
+        return None if ok else "expected a list of finite numbers (or null), one per layer"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return "expected a finite number" + (" or null" if key in NULLABLE_ACTIVATION else "")
     return None

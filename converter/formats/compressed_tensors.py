@@ -51,14 +51,26 @@ _CT_ALIAS = ("0.12.3a20251023", "0.12.3a20251203")   # MXFP4 was an NVFP4 alias:
 _CT_BIAS125 = ("0.12.3a20251204", "0.13.1a20260108")  # E8M0 written with bias 125 (a double -2)
 
 
+# Writers that pack MXFP4 with their own code and only describe it with compressed-tensors' config
+# classes: the config's ``version`` then names the compressed-tensors that wrote the JSON, not the bytes.
+# auto-round 0.16 (model-free export, ``provider: "auto-round"``, utils/model_free_utils.py 2586-2589,
+# 2744-2752) writes each E8M0 byte as shared exponent + 127 (export/export_to_autoround/qlinear_fp.py
+# 44, 170) whatever compressed-tensors is installed.
+OWN_PACKERS = {"auto-round": "auto-round's own packer (qlinear_fp.py: exponent + 127)"}
+
+
 def ct_scale_convention(block: dict, where: str) -> tuple[int, str]:
     """(bias, description) of the E8M0 bytes a compressed-tensors release wrote.
 
     Only the ``version`` in the config tells: the bytes themselves look the same. No version
-    (Kimi K3's config has none) is read as OCP, as vLLM and SGLang read it.
+    (Kimi K3's config has none) is read as OCP, as vLLM and SGLang read it. A config whose
+    ``provider`` packed the bytes itself (``OWN_PACKERS``) is OCP whatever its version says.
     """
     from packaging.version import InvalidVersion, Version
 
+    provider = block.get("provider")
+    if isinstance(provider, str) and provider in OWN_PACKERS:
+        return 127, f"OCP E8M0 (bias 127; {OWN_PACKERS[provider]}, config by compressed-tensors {block.get('version')})"
     raw = block.get("version")
     if raw is None:
         return 127, "OCP E8M0 (bias 127; the config names no compressed-tensors version)"

@@ -78,6 +78,7 @@ class MXFP4Source:
         """What the manifest and report say about the source's quantization."""
         return {"dialect": self.dialect, "blocks": [dotted(p) for p in self.blocks],
                 "packed_suffix": self.packed_suffix, "scale_bias": self.scale_bias,
+                **({"scale_suffix": self.scale_suffix} if self.scale_suffix != SCALE else {}),
                 "scale_convention": self.scale_note, "dropped": list(self.dropped),
                 **({"renamed": [list(r) for r in self.renames]} if self.renames else {})}
 

@@ -1,5 +1,11 @@
 """vLLM's FP8 config carrying MXFP4 routed experts (MiMo-V2.x FP4: ``quant_method: fp8``,
-``store_dtype: mxfp4``, ``mxfp4_block_size: 32``), registered as the dialect "fp8-mxfp4".
+``store_dtype: mxfp4``, ``mxfp4_block_size: 32``; Ling-3.0-flash-fp4: ``quant_method: fp8``,
+``scale_fmt: ue8m0``, ``routed_experts_quant_method: mxfp4``), registered as the dialect "fp8-mxfp4".
+
+Ling (vLLM 0.33.0 ``models/bailing_moe_v3.py``): ``_configure_ling_fp8_quant_config`` (222-260) sets
+``store_dtype = "mxfp4"`` when ``routed_experts_quant_method == "mxfp4"`` and ``is_scale_e8m0`` when
+``scale_fmt == "ue8m0"`` (the FP8 linears' ``weight_scale_inv`` are then F8_E8M0, ``fp8.py`` 330-339);
+its experts' E8M0 scales are ``X.weight_scale_inv``, renamed to ``weight_scale`` at load (263-281).
 
 What vLLM 0.33.0 does with such a checkpoint (``model_executor/layers/quantization/fp8.py``):
 ``Fp8Config.get_quant_method`` gives every routed-experts layer ``Mxfp4MoEMethod`` when
@@ -33,8 +39,14 @@ def _is_fp8(block: dict) -> bool:
     return block.get("quant_method") == "fp8"
 
 
+def _ling(block: dict) -> bool:
+    """Ling's spelling: ``routed_experts_quant_method`` (bailing_moe_v3.py 252-260), experts' scales
+    under ``weight_scale_inv``."""
+    return block.get("routed_experts_quant_method") is not None
+
+
 def _is_mxfp4_experts(block: dict) -> bool:
-    return _is_fp8(block) and block.get("store_dtype") == "mxfp4"
+    return _is_fp8(block) and (block.get("store_dtype") == "mxfp4" or block.get("routed_experts_quant_method") == "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,7 @@ class Fp8Mxfp4Source(MXFP4Source):
     """The FP8 block's ignore list and block size, and (once ``seen``) its FP8 linears."""
 
     ignored: tuple[str, ...] = ()
+    ignore_suffix: bool = False     # Ling: ignored_layers match as suffixes (bailing_moe_v3.py 236)
     weight_block: tuple[int, int] = (128, 128)
     fp8_modules: tuple[str, ...] = ()
 
@@ -49,10 +62,19 @@ class Fp8Mxfp4Source(MXFP4Source):
         """Routed experts only (Fp8Config gives Mxfp4MoEMethod to the experts layer alone), unless
         the experts layer (``<layer>.experts``) or the module is ignored."""
         layer = module.rsplit(".", 2)[0]
+        if self.ignore_suffix:
+            return _matches(module, EXPERT_TARGET) and not any(n.endswith(i) for n in (layer, module) for i in self.ignored)
         return _matches(module, EXPERT_TARGET) and layer not in self.ignored and module not in self.ignored
 
     def seen(self, tensors: Any) -> "Fp8Mxfp4Source":
-        return replace(self, fp8_modules=tuple(sorted(n[: -len(FP8_SCALE)] for n in tensors if n.endswith(FP8_SCALE))))
+        """Every FP8 linear (a ``weight_scale_inv`` beside it), less the experts where Ling stores their
+        MXFP4 scales under that name too."""
+        fp8 = (n[: -len(FP8_SCALE)] for n in tensors if n.endswith(FP8_SCALE))
+        return replace(self, fp8_modules=tuple(sorted(m for m in fp8 if not self._expert_scale(m))))
+
+    def _expert_scale(self, module: str) -> bool:
+        """Whether ``module.weight_scale_inv`` is a routed expert's MXFP4 scale (Ling), not an FP8 linear's."""
+        return self.scale_suffix == FP8_SCALE[1:] and self.selects(module)
 
     def tensor_problems(self, tensors: Any) -> list[str]:
         """Each FP8 linear as vLLM's Fp8LinearMethod loads it (fp8.py 338-339): ``X.weight`` F8_E4M3 and
@@ -63,6 +85,8 @@ class Fp8Mxfp4Source(MXFP4Source):
             if not name.endswith(FP8_SCALE):
                 continue
             module = name[: -len(FP8_SCALE)]
+            if self._expert_scale(module):   # Ling: an MXFP4 expert's E8M0 scale, paired by plan
+                continue
             where, w, clash = f"file {t.path}, tensor {name}", tensors.get(f"{module}.weight"), \
                 tensors.get(module + CT_SCALE)
             if clash is not None:
@@ -106,7 +130,11 @@ def fp8_mxfp4_source(config: dict, config_path: str, drop: bool = False) -> Fp8M
         raise BadInput(f"{len(blocks)} fp8 quantization_config blocks: expected one", file=config_path)
     path, b = blocks[0]
     where, problems = dotted(path), []
-    if b.get("store_dtype") != "mxfp4":
+    ling = _ling(b)
+    if ling and b.get("routed_experts_quant_method") != "mxfp4":
+        problems.append(f"{where}.routed_experts_quant_method is {b.get('routed_experts_quant_method')!r}: vLLM "
+                        "takes 'mxfp4' only (bailing_moe_v3.py 252-258)")
+    elif not ling and b.get("store_dtype") != "mxfp4":
         problems.append(f"{where}.store_dtype is {b.get('store_dtype')!r}: only MXFP4 experts (store_dtype "
                         "'mxfp4') are converted")
     if b.get("mxfp4_block_size", 32) != 32:
@@ -129,8 +157,12 @@ def fp8_mxfp4_source(config: dict, config_path: str, drop: bool = False) -> Fp8M
     if problems:
         raise BadInput("; ".join(problems), file=config_path)
     return Fp8Mxfp4Source(dialect="fp8-mxfp4", blocks=(path,), packed_suffix="weight",
-                          scale_note="OCP E8M0 (bias 127; vLLM Fp8Config store_dtype mxfp4)",
-                          renames=((FP8_SCALE, CT_SCALE),), ignored=tuple(ignored), weight_block=tuple(block))
+                          scale_suffix=FP8_SCALE[1:] if ling else CT_SCALE[1:],
+                          scale_note="OCP E8M0 (bias 127; vLLM Fp8Config " + (
+                              "routed_experts_quant_method mxfp4, scales X.weight_scale_inv)" if ling
+                              else "store_dtype mxfp4)"),
+                          renames=((FP8_SCALE, CT_SCALE),), ignored=tuple(ignored), weight_block=tuple(block),
+                          ignore_suffix=ling)
 
 
 register(Dialect("fp8-mxfp4", _is_fp8, _is_mxfp4_experts, fp8_mxfp4_source))

@@ -39,12 +39,15 @@ def run(ctx: Context) -> list[Check]:
     # the source's dialect, as the conversion recorded it: tensor names and E8M0 bias
     quant = (d.manifest.get("source") or {}).get("quantization") or {}
     packed_suffix, bias = quant.get("packed_suffix", PACKED), int(quant.get("scale_bias", 127))
+    scale_suffix = quant.get("scale_suffix", SCALE)   # Ling: X.weight_scale_inv
     names = spread(sorted(rows), ctx.sample)
     worst_dev, opt_groups = 0.0, 0
     for i, name in enumerate(names):
         m = name[: -len(PACKED) - 1]
         try:
-            src_packed, src_scales = s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{SCALE}")
+            src_packed, src_scales = s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{scale_suffix}")
+            if src_scales.dtype == torch.float8_e8m0fnu:   # safetensors F8_E8M0: the same bytes as uint8
+                src_scales = src_scales.view(torch.uint8)
             w = mxfp4.decode(src_packed, src_scales, bias, torch.float64)
         except KeyError as e:
             c.fail(f"{m}: the source has no {e.args[0]}")

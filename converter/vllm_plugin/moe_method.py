@@ -27,9 +27,9 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 from vllm.model_executor.utils import replace_parameter
 
-from . import layout, route, selftest
+from . import layout, repair, route, selftest
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(route.LOGGER)
 
 
 @functools.cache
@@ -56,6 +56,7 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
     # words and bf16 group scales, vLLM's TP/EP sharding): the same functions, not a copy.
     get_weight_shape = CompressedTensorsWNA16MoEMethod.get_weight_shape
     self_tested = False      # once per process: the first routed-experts layer laid out
+    repair_minus8 = False    # set when the self-test found code -8 misread: every later layer repaired
 
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra: Any) -> None:
@@ -169,6 +170,11 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
         for w_name, s_name in (("w13_weight_packed", "w13_weight_scale"),
                                ("w2_weight_packed", "w2_weight_scale")):
             words, scales = getattr(layer, w_name).data, getattr(layer, s_name).data
+            if K3Int4AiterMoEMethod.repair_minus8:   # the kernel misreads -8 (self-test of the first layer)
+                got = repair.repair_ct_(words, scales)
+                logger.debug("%s %s.%s: %d of %d groups re-optimized over [-7, 7], relative weight RMSE "
+                             "%.3g vs the stored int4", route.PREFIX, self.prefix, w_name, got.repaired,
+                             got.groups, got.rel_rmse)
             packed, flat_scales = layout.convert_experts_(words.contiguous(), scales.contiguous())
             replace_parameter(layer, w_name, packed.view(aiter_dtypes.i4x2))
             replace_parameter(layer, s_name, flat_scales)
@@ -196,10 +202,6 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
             logger.warning("%s %s=0: the kernel self-test is OFF; nothing checks that the installed aiter "
                            "computes K3's experts correctly", route.PREFIX, selftest.ENV)
             return False
-        if self.moe.moe_parallel_config.use_all2all_kernels:
-            logger.warning("%s kernel self-test skipped: all2all kernels (data-parallel expert parallelism) "
-                           "dispatch through collectives that cannot run for one layer at load", route.PREFIX)
-            return False
         return True
 
     def _probe_experts(self, layer: torch.nn.Module, real: int):
@@ -214,21 +216,78 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
                                               layer.w2_weight_packed.data[i], layer.w2_weight_scale.data[i], real)
         return experts, remote
 
-    def _self_test(self, layer: torch.nn.Module, experts: dict, remote: list[int]) -> None:
-        act = selftest.Activation(float(self.moe.activation_situ_beta),
-                                  None if self.moe.activation_situ_linear_beta is None
-                                  else float(self.moe.activation_situ_linear_beta))
+    def _kernel_call(self, layer: torch.nn.Module):
+        """The layer's own expert kernel as a function of a probe, without any collective.
+
+        Without all2all kernels it is ``self.apply``, the call the model makes. With them (DP > 1 and
+        EP: vLLM 0.33 `fused_moe/config.py` 1035-1038) the serving kernel's prepare/finalize dispatches
+        tokens across ranks, which one rank cannot do alone at load; so the same experts object (the
+        one serving uses: same weights, quant config, activation) is wrapped in vLLM's own no-DP/EP
+        prepare/finalize (`prepare_finalize/no_dp_ep.py`, what `maybe_make_prepare_finalize` picks at
+        DP 1) and called with the layer's expert mask, as the TP + EP path calls it.
+        """
+        call = dict(activation=layer.activation, global_num_experts=layer.global_num_experts,
+                    apply_router_weight_on_input=layer.apply_router_weight_on_input,
+                    shared_experts=None, shared_experts_input=None)
+        if not self.moe.moe_parallel_config.use_all2all_kernels:
+            return lambda p: self.apply(layer, p.x, p.topk_weights, p.topk_ids, None, None)
+        from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+        from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
+            MoEPrepareAndFinalizeNoDPEPModular,
+        )
+
+        experts = self.moe_kernel.fused_experts
+        if not isinstance(experts, mk.FusedMoEExpertsModular) or \
+                experts.activation_format() != mk.FusedMoEActivationFormat.Standard:
+            raise route.Refused(f"{self.prefix}: with all2all kernels (data parallelism with EP) the experts "
+                                f"kernel is {type(experts).__name__}, which the self-test cannot run without "
+                                "its collective dispatch; serve without --data-parallel-size, or with "
+                                f"{selftest.ENV}=0 at your own risk")
+        local = mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), experts)
+        return lambda p: local.apply(hidden_states=p.x, w1=layer.w13_weight_packed, w2=layer.w2_weight_packed,
+                                     topk_weights=p.topk_weights, topk_ids=p.topk_ids,
+                                     expert_map=layer.expert_map, **call)
+
+    def _run_self_test(self, layer: torch.nn.Module, experts: dict, remote: list[int], act) -> selftest.Outcome:
+        call = self._kernel_call(layer)
         try:
-            out = selftest.run(lambda p: self.apply(layer, p.x, p.topk_weights, p.topk_ids, None, None),
-                               experts, remote, act)
+            return selftest.run(call, experts, remote, act)
         except Exception as exc:  # noqa: BLE001 - the kernel could not even run: not served unseen
             raise route.Refused(f"{self.prefix}: the kernel self-test could not run the layer's kernel "
                                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                                 f"not serving ({selftest.ENV}=0 skips the test at your own risk)") from exc
+
+    def _self_test(self, layer: torch.nn.Module, experts: dict, remote: list[int]) -> None:
+        act = selftest.Activation(float(self.moe.activation_situ_beta),
+                                  None if self.moe.activation_situ_linear_beta is None
+                                  else float(self.moe.activation_situ_linear_beta))
+        out = self._run_self_test(layer, experts, remote, act)
+        if out.problem is not None and out.minus_eight_misread and not repair.refuse():
+            out = self._repair_minus_eight(layer, experts, remote, act, out)
         if out.problem is not None:
-            raise route.Refused(f"{self.prefix}: the kernel self-test failed ({out.line()}): {out.problem}; "
+            fix = (f"; {selftest.MINUS_EIGHT_FIX}, or unset {repair.ENV} to repair such layers at load"
+                   if out.minus_eight_misread else "")
+            raise route.Refused(f"{self.prefix}: the kernel self-test failed ({out.line()}): {out.problem}{fix}; "
                                 f"not serving ({selftest.ENV}=0 skips the test at your own risk)")
         logger.info("%s kernel self-test passed on %s: %s", route.PREFIX, self.prefix, out.line())
+
+    def _repair_minus_eight(self, layer: torch.nn.Module, experts: dict, remote: list[int], act,
+                            first: selftest.Outcome) -> selftest.Outcome:
+        """Re-optimize this layer's groups that use -8 over [-7, 7], lay them out again and re-test;
+        later layers are repaired at layout time (repair_minus8) without a test of their own."""
+        got = repair.repair_layer_(layer.w13_weight_packed.data, layer.w13_weight_scale.data,
+                                   layer.w2_weight_packed.data, layer.w2_weight_scale.data, experts.values())
+        out = self._run_self_test(layer, experts, remote, act)
+        if out.problem is None:
+            K3Int4AiterMoEMethod.repair_minus8 = True
+            logger.warning(
+                "%s the installed aiter misreads int4 code -8 (%s); repaired at load: the groups that use -8 "
+                "(%d of %d on %s) re-optimized over [-7, 7] (optimal-pm7 of the stored values), relative weight "
+                "RMSE %.3g vs the stored int4 on that layer; the re-run self-test passed (%s); every later "
+                "layer gets the same repair at load. %s=refuse refuses instead; converting with "
+                "--scale-rule optimal-pm7 avoids it", route.PREFIX, first.problem, got.repaired, got.groups,
+                self.prefix, got.rel_rmse, out.line(), repair.ENV)
+        return out
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         """Mxfp4MoEMethod.apply on the compressed-tensors parameter names."""

@@ -18,6 +18,9 @@ VLLM_SERIES = "0.33."                          # the vLLM the layout and kernel 
 GEMM1_PARAMS = ("act", "situ_beta", "situ_linear_beta")
 KERNEL_MODULE = "aiter.ops.flydsl.kernels.moe_2stage_a16wmix"   # vLLM 0.33 mxfp4.py:882 imports gemm1 from it
 PREFIX = "k3convert vLLM plugin:"
+# A child of vLLM's "vllm" logger: vLLM 0.33 configures only that one (vllm/logger.py 100-105), so a
+# logger named after this package would print nothing below WARNING, and that without vLLM's format.
+LOGGER = "vllm.k3convert_plugin"
 GROUP = 32        # int4 group size the kernel reads
 SHUFFLE_N = 16    # rows per aiter (16, 16) preshuffle tile
 ALIGN = 128       # vLLM 0.33 rounds AITER_MXFP4_BF16 K3 SiTU sizes up to this (oracle/mxfp4.py:888-892)

@@ -7,8 +7,10 @@ through the layer's own ``apply`` (the very kernel call the model makes) and are
 float32 reference computed from the checkpoint's int4 codes and scales as compressed-tensors defines
 them (value = q * scale) and SiTU-GLU with the config's betas (SPEC §4). Tokens are scaled so that
 the gate and up projections reach the ranges where SiTU differs from SiLU and linear_beta clips.
-On a mismatch the alternatives that explain it (SiLU, no linear_beta, -8 read as 0 or +8) are tried,
-so the refusal names the fault it found.
+One probe per kernel variant serving reaches (aiter's M tile, chosen by token count: TILE_BANDS), so a
+prefill-only fault is caught too. On a mismatch the alternatives that explain it (SiLU, no linear_beta,
+-8 read as 0 or +8) are tried per variant, so the refusal names the fault it found, and a fault that
+only -8 explains can be repaired (repair.py) instead of refused.
 """
 from __future__ import annotations
 
@@ -26,6 +28,11 @@ TOL = 0.03                     # worst per-token relative L2 error a bf16 a16w4 
 TOKEN_RMS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)   # target RMS of each token's gate projection
 MAX_LOCAL = 8                  # local experts sampled when remote ones fill the rest of top-k
 MINUS_EIGHT_FIX = ("convert with `--scale-rule optimal-pm7` (codes in [-7, 7], README: Which scale rule)")
+# aiter's untuned int4 MoE picks its M tile by token count: 16 below 2048 tokens, 32 below 16384, 64
+# above (aiter/fused_moe.py get_2stage_cfgs: `16 if token < 2048 else 32 if token < 16384 else 64`, on
+# get_padded_M's buckets). The thresholds are literals there, not exposed: these are them.
+TILE_BANDS = ((16, 1), (32, 2048), (64, 16384))   # (tile, smallest token count that reaches it)
+DECODE_TOKENS = len(TOKEN_RMS)                      # the smallest band is probed with 8 tokens
 
 
 def enabled() -> bool:
@@ -132,21 +139,23 @@ def choose_experts(local_ids: list[int], global_num: int, top_k: int) -> tuple[l
 
 
 def make_probe(experts: Mapping[int, Expert], remote: list[int], act: Activation,
-               seed: int = 0) -> Probe:
-    """One token per target RMS in TOKEN_RMS; token t routes to every chosen expert, rotated by t."""
+               seed: int = 0, tokens: int = DECODE_TOKENS) -> Probe:
+    """Token t's gate projection has RMS TOKEN_RMS[t % 8]; token t routes to every chosen expert,
+    rotated by t."""
     device = next(iter(experts.values())).w13_words.device
     hidden = next(iter(experts.values())).w13_words.shape[1] * 8
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = list(experts) + list(remote)
-    t_count = len(TOKEN_RMS)
-    rows = [ids[t % len(ids):] + ids[:t % len(ids)] for t in range(t_count)]
-    topk_ids = torch.tensor(rows, dtype=torch.int32, device=device)
-    topk_weights = (0.5 + torch.rand(t_count, len(ids), generator=gen)).to(device)
-    x = torch.randn(t_count, hidden, generator=gen).to(device)
+    order = torch.tensor(ids, dtype=torch.int32)
+    shift = (torch.arange(tokens)[:, None] + torch.arange(len(ids))[None, :]) % len(ids)
+    topk_ids = order[shift].to(device)
+    topk_weights = (0.5 + torch.rand(tokens, len(ids), generator=gen)).to(device)
+    x = torch.randn(tokens, hidden, generator=gen).to(device)
     gate = torch.cat([x @ dequant(ex.w13_words, ex.w13_scales).T[:, : ex.w13_words.shape[0] // 2]
                       for ex in experts.values()], dim=1)
     rms = gate.pow(2).mean(dim=1).sqrt().clamp_min(1e-30)
-    x = (x * (torch.tensor(TOKEN_RMS, device=device) / rms)[:, None]).to(torch.bfloat16)
+    target = torch.tensor(TOKEN_RMS, device=device).repeat((tokens + len(TOKEN_RMS) - 1) // len(TOKEN_RMS))
+    x = (x * (target[:tokens] / rms)[:, None]).to(torch.bfloat16)
     return Probe(x, topk_weights, topk_ids, tuple(experts), tuple(remote))
 
 
@@ -167,20 +176,57 @@ def count_minus_eight(experts: Mapping[int, Expert]) -> int:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class Variant:
+    """One kernel variant the server reaches: aiter's M tile for ``tokens`` tokens."""
+
+    tile: int
+    tokens: int
     worst: float
-    minus_eight: int
-    seconds: float
-    problem: str | None         # None: passed
+    problem: str | None        # None: passed
+    minus_eight: float | None = None   # the value the kernel gives code -8, where that explains the fault
 
     def line(self) -> str:
-        return (f"worst per-token relative error {self.worst:.3g} (limit {TOL}) over {len(TOKEN_RMS)} tokens, "
-                f"{self.minus_eight} codes -8 exercised, {self.seconds * 1e3:.0f} ms")
+        return f"tile {self.tile} ({self.tokens} tokens): {'passed' if self.problem is None else 'FAILED'}, " \
+               f"worst {self.worst:.3g}"
 
 
-def diagnose(probe: Probe, got: torch.Tensor, experts: Mapping[int, Expert], act: Activation,
-             n_minus8: int) -> str:
-    """Name the fault: the alternative reference the kernel's output matches, if any."""
+@dataclass(frozen=True)
+class Outcome:
+    variants: tuple[Variant, ...]
+    minus_eight: int           # codes -8 in the sampled experts
+    seconds: float
+    bands: str = "aiter's tile thresholds as read from its source (TILE_BANDS)"
+
+    @property
+    def worst(self) -> float:
+        return max(v.worst for v in self.variants)
+
+    @property
+    def problem(self) -> str | None:
+        """None when every variant passed; else each failing variant's diagnosis."""
+        by_problem: dict[str, list[Variant]] = {}
+        for v in self.variants:
+            if v.problem:
+                by_problem.setdefault(v.problem, []).append(v)
+        parts = [f"{'tiles' if len(vs) > 1 else 'tile'} {', '.join(str(v.tile) for v in vs)} "
+                 f"({', '.join(str(v.tokens) for v in vs)} tokens): {why}" for why, vs in by_problem.items()]
+        return "; ".join(parts) or None
+
+    @property
+    def minus_eight_misread(self) -> bool:
+        """Every failing variant is explained by code -8 read as another value (so a repair that
+        leaves no -8 makes it correct)."""
+        bad = [v for v in self.variants if v.problem]
+        return bool(bad) and all(v.minus_eight is not None for v in bad)
+
+    def line(self) -> str:
+        return (f"{'; '.join(v.line() for v in self.variants)} (limit {TOL}); {self.minus_eight} codes -8 "
+                f"exercised, {self.seconds * 1e3:.0f} ms")
+
+
+def _explanations(probe: Probe, got: torch.Tensor, experts: Mapping[int, Expert], act: Activation,
+                  n_minus8: int) -> list[tuple[str, float | None]]:
+    """(why, value -8 is read as or None) for every known fault whose reference the output matches."""
     candidates: list[tuple[str, Activation, float]] = [
         ("it computes SiLU, not K3's SiTU: the installed aiter's int4 stage 1 ignores the activation; install "
          "an aiter whose packed-int4 stage 1 applies it (ROCm/aiter 4bbc57db1a, #4646, or later)",
@@ -192,31 +238,57 @@ def diagnose(probe: Probe, got: torch.Tensor, experts: Mapping[int, Expert], act
                            Activation(act.beta, None), -8.0))
     if n_minus8:
         for value in (0.0, 8.0):
-            candidates.append((f"it decodes int4 code -8 as {value:g}; {MINUS_EIGHT_FIX}", act, value))
+            candidates.append((f"it decodes int4 code -8 as {value:g}", act, value))
     found = []
     for why, alt, m8 in candidates:
         err = rel_errors(got, reference(probe.x, probe.topk_weights, probe.topk_ids, experts, alt, m8))
         if float(err.max()) <= TOL:
-            found.append(why)
-    if found:
-        return "; ".join(found)
-    return ("matches no known fault (a layout this plugin does not write, padded channels that are not "
-            "zero, or remote experts computed locally); please report it with this line")
+            found.append((why, None if m8 == -8.0 else m8))
+    return found
+
+
+NO_KNOWN_FAULT = ("matches no known fault (a layout this plugin does not write, padded channels that are not "
+                  "zero, or remote experts computed locally); please report it with this line")
+
+
+def diagnose(probe: Probe, got: torch.Tensor, experts: Mapping[int, Expert], act: Activation,
+             n_minus8: int) -> str:
+    """Name the fault: the alternative reference the kernel's output matches, if any."""
+    found = _explanations(probe, got, experts, act, n_minus8)
+    return "; ".join(why for why, _ in found) if found else NO_KNOWN_FAULT
+
+
+def variant_experts(experts: Mapping[int, Expert], remote: list[int], tile: int
+                    ) -> tuple[dict[int, Expert], list[int]]:
+    """The experts a band is probed with: all sampled ones at decode size, else one local and one
+    remote expert (the kernel variant, not the expert count, is what a bigger token count tests;
+    few experts keep the float32 reference at 16384 tokens to a few GFLOP)."""
+    if tile == TILE_BANDS[0][0]:
+        return dict(experts), list(remote)
+    first = next(iter(experts))
+    return {first: experts[first]}, list(remote[:1])
 
 
 def run(apply: Callable[[Probe], torch.Tensor], experts: Mapping[int, Expert], remote: list[int],
-        act: Activation) -> Outcome:
-    """Run ``apply`` (the layer's own kernel call) on a probe and compare with the reference."""
+        act: Activation, bands: tuple[tuple[int, int], ...] = TILE_BANDS) -> Outcome:
+    """Run ``apply`` (the layer's own kernel call) on a probe per kernel variant (``bands``: aiter's tile
+    and the smallest token count reaching it) and compare each with the reference."""
     start = time.perf_counter()
-    probe = make_probe(experts, remote, act)
-    want = reference(probe.x, probe.topk_weights, probe.topk_ids, experts, act)
-    got = apply(probe)
-    if got.device.type == "cuda":
-        torch.cuda.synchronize(got.device)
-    err = rel_errors(got, want)
-    worst = float(err.max())
     n8 = count_minus_eight(experts)
-    problem = None
-    if not worst <= TOL:
-        problem = diagnose(probe, got, experts, act, n8)
-    return Outcome(worst, n8, time.perf_counter() - start, problem)
+    out = []
+    for tile, first_tokens in bands:
+        exps, rem = variant_experts(experts, remote, tile)
+        probe = make_probe(exps, rem, act, tokens=max(first_tokens, DECODE_TOKENS))
+        want = reference(probe.x, probe.topk_weights, probe.topk_ids, exps, act)
+        got = apply(probe)
+        if got.device.type == "cuda":
+            torch.cuda.synchronize(got.device)
+        worst = float(rel_errors(got, want).max())
+        problem, m8 = None, None
+        if not worst <= TOL:
+            found = _explanations(probe, got, exps, act, count_minus_eight(exps))
+            problem = "; ".join(why for why, _ in found) if found else NO_KNOWN_FAULT
+            values = [v for _, v in found if v is not None]
+            m8 = values[0] if values else None
+        out.append(Variant(tile, probe.x.shape[0], worst, problem, m8))
+    return Outcome(tuple(out), n8, time.perf_counter() - start)

