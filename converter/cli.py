@@ -29,12 +29,27 @@ class _WorkerCount(click.ParamType):
         if value is None or value == "auto":
             return None
         try:
-            n = int(value)
-        except (TypeError, ValueError):
+            n = value if isinstance(value, int) and not isinstance(value, bool) else int(str(value))
+        except ValueError:
             n = 0
         if n < 1:
+            if ctx is not None and param is not None and \
+                    ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT:
+                raise click.UsageError(f"{WORKERS_ENV}={value!r} (the environment): not a positive number or auto")
             self.fail(f"{value!r} is not a positive number or auto", param, ctx)
         return n
+
+
+class _ProfileName(click.types.StringParamType):
+    """``--profile``: a bundled profile's name, or a profile file (``profiles.is_file``), which a job
+    file names relative to itself (``jobfile.load``)."""
+
+    name = "NAME|FILE.toml"
+
+    @staticmethod
+    def is_file(value: str) -> bool:
+        from .profiles import is_file
+        return is_file(value)
 
 
 WORKERS_ENV = "K3CONVERT_WORKERS"
@@ -112,7 +127,7 @@ def main() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace a DST that holds a different conversion.")
 @click.option("--shards", "shard_spec", default=None, help="Only these shards, 1-based in name order: 3,5-9.")
 @click.option("--part", default=None, help="Only part i of n (round robin over shards): for job arrays, e.g. 2/8.")
-@click.option("--profile", default=None,
+@click.option("--profile", type=_ProfileName(), default=None,
               help="Model profile: a name from configs/profiles or a .toml file [default: chosen from config.json].")
 @click.option("--drop-activation-quant", is_flag=True,
               help="Convert a source that also quantizes activations (or KV cache) to weight-only int4; "

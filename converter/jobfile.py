@@ -3,8 +3,9 @@
 ``k3convert mxfp4-to-int4 --config job.toml`` reads the file's top-level keys as the
 command's options (the command line wins). Keys are the long option names (``output``,
 ``max-rel-rmse``, ...) or, for the source directory, ``src``; dashes and underscores are the
-same. Relative paths are taken relative to the job file, so a job file means the same thing
-from any working directory (a batch scheduler's included).
+same. Relative paths (a profile file's included) are taken relative to the job file, so a job
+file means the same thing from any working directory (a batch scheduler's included). Several
+``--config`` files apply in order, a later file's keys winning.
 """
 from __future__ import annotations
 
@@ -58,10 +59,16 @@ def load(path: str, command: click.Command) -> dict[str, Any]:
             raise click.BadParameter(f"file {path}: {key} = {value!r}: {why}", param_hint="--config")
         if isinstance(value, list):  # devices = ["cuda:0", "cuda:1"]
             value = ",".join(str(v) for v in value)
-        if isinstance(param.type, click.Path) and isinstance(value, str):
-            value = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+        if isinstance(value, str) and (isinstance(param.type, click.Path) or _names_file(param, value)):
+            value = os.path.normpath(os.path.join(base, os.path.expanduser(value)))  # e.g. profile = "k3.toml"
         out[param.name] = value
     return out
+
+
+def _names_file(param: click.Parameter, value: str) -> bool:
+    """Whether an option that takes a name or a file (``--profile``) is given a file here."""
+    is_file = getattr(param.type, "is_file", None)
+    return bool(is_file and is_file(value))
 
 
 def value_problem(param: click.Parameter, value: Any) -> str | None:
@@ -89,18 +96,23 @@ def value_problem(param: click.Parameter, value: Any) -> str | None:
         return None if isinstance(value, int) else "expected a whole number"
     if isinstance(kind, (click.types.FloatParamType,)):          # FloatRange included
         return None if isinstance(value, (int, float)) else "expected a number"
+    if isinstance(value, float):  # workers = 2.7 or 1e3: the command line takes no fraction there either
+        return "expected a whole number, not a fraction or exponent"
     if isinstance(kind, (click.Path, click.Choice, click.types.StringParamType)):
         return None if isinstance(value, str) else "expected a string"
     return None if isinstance(value, (str, int, float)) else "expected a string or a number"
 
 
 def option(f):
-    """The ``--config FILE`` option: eager, so its values become the other options' defaults."""
+    """The ``--config FILE`` option: eager, so its values become the other options' defaults.
+    Given more than once (a site's file, then a model's), the files apply in order: a later
+    file's key replaces an earlier one's, and the command line wins over both."""
 
-    def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-        if value:
-            ctx.default_map = {**(ctx.default_map or {}), **load(value, ctx.command)}
+    def callback(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
+        for path in value or ():
+            ctx.default_map = {**(ctx.default_map or {}), **load(path, ctx.command)}
 
-    return click.option("--config", type=click.Path(exists=True, dir_okay=False), is_eager=True,
+    return click.option("--config", type=click.Path(exists=True, dir_okay=False), is_eager=True, multiple=True,
                         expose_value=False, callback=callback,
-                        help="Job file (TOML) with any of this command's options; the command line wins.")(f)
+                        help="Job file (TOML) with any of this command's options; the command line wins. "
+                             "Repeatable: files apply in order, a later one's keys win.")(f)

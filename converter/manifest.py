@@ -163,22 +163,6 @@ def file_fingerprint(path: str, edge: int = 1 << 20) -> dict[str, Any]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "edge_blake2b": h.hexdigest()}
 
 
-def source_fingerprint(path: str) -> dict[str, Any]:
-    """A source file's identity for resume: ``file_fingerprint`` plus what a user cannot put back.
-
-    An in-place edit (any write) sets the file's ctime to now, and restoring the mtime with
-    ``touch -d``/``utime`` sets it again; a replaced file has another inode. So a change that keeps
-    size, mtime and the first and last MiB is still seen, at the cost of one ``fstat`` (a chmod, or
-    a copy of SRC elsewhere, also counts as a change: resume then refuses, ``--overwrite`` redoes).
-    """
-    fp = file_fingerprint(path)
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise OutputError(f"cannot read: {e.strerror}", file=path) from None
-    return {**fp, "dev": st.st_dev, "inode": st.st_ino, "ctime_ns": st.st_ctime_ns}
-
-
 def rows_bytes(rows: list[dict]) -> bytes:
     """A figure table as zstd-compressed JSON lines: ~10x smaller for 250k tensors."""
     raw = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows).encode()

@@ -29,9 +29,10 @@ from .formats import checkpoint as ckpt
 from .formats.dialect import TARGET_FORMAT
 from .manifest import (LOCKS, MANIFEST, MANIFEST_LOCK, REPORT, RUN_LOCK, STATE_DIR, TENSOR_TABLE, DstLock, ShardLocks,
                        commit, copy_current, discard, file_fingerprint, json_bytes, read_json, read_rows, rows_bytes,
-                       source_fingerprint, stage, stage_copy, state_file, write_json, write_rows, writing)
+                       stage, stage_copy, state_file, write_json, write_rows, writing)
 from .outputs import expected
 from .profiles import MAX_EXPERTS
+from .sources import config_identity, content_change, hint, profile_argument, profile_identity, shard_identity
 from .plan import TEMPORARY, Plan, ShardPlan, build_plan, side_file_target
 from .safepath import contains, dest_file, lock_file
 from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, OPTIMA, RULES as SCALE_RULES, recorded_rule
@@ -59,14 +60,16 @@ class Options:
     def identity(self) -> dict[str, Any]:
         """Every option that changes what DST holds or whether it is complete: what must match for a
         run (a job-array part, a resume, ``finalize``) to continue or share a previous one's DST."""
-        return {"version": __version__, "sample_experts": self.sample_experts, "profile": self.profile,
+        return {"version": __version__, "sample_experts": self.sample_experts,
+                "profile": profile_identity(self.profile),  # what the profile is, not where it was found
                 "drop_activation_quant": self.drop_activation_quant, "scale_rule": self.scale_rule,
                 "max_rel_rmse": self.max_rel_rmse}
 
     @classmethod
     def recorded(cls, identity: Mapping[str, Any]) -> "Options":
         """The options a DST's run.json records (``identity``), for a standalone ``finalize``."""
-        return cls(profile=identity.get("profile"), drop_activation_quant=bool(identity.get("drop_activation_quant")),
+        return cls(profile=profile_argument(identity.get("profile")),
+                   drop_activation_quant=bool(identity.get("drop_activation_quant")),
                    scale_rule=recorded_rule(identity), sample_experts=identity.get("sample_experts", 4),
                    max_rel_rmse=identity.get("max_rel_rmse", Options.max_rel_rmse))
 
@@ -83,6 +86,15 @@ class Options:
             raise BadInput(f"--sample-experts {n!r}: expected a whole number from 0 to {MAX_EXPERTS}")
         if self.scale_rule not in SCALE_RULES:
             raise BadInput(f"--scale-rule {self.scale_rule!r}: expected one of {', '.join(SCALE_RULES)}")
+
+
+def _compared(identity: Mapping[str, Any]) -> dict[str, Any]:
+    """An identity as compared: without who recorded it, the hints, and where the profile was found."""
+    out = {k: v for k, v in identity.items() if k not in (_WHO, HINTS)}
+    prof = (out.get("options") or {}).get("profile")
+    if isinstance(prof, dict):
+        out["options"] = {**out["options"], "profile": {k: v for k, v in prof.items() if k != "file"}}
+    return out
 
 
 @dataclass
@@ -153,9 +165,13 @@ def shard_count(src: str, options: Options) -> int | None:
 
 
 def select_shards(names: list[str], spec: str | None = None, part: str | None = None) -> list[str]:
-    """``--shards 3,5-9`` (1-based, in file-name order) and/or ``--part i/n`` (round robin)."""
+    """``--shards 3,5-9`` (1-based, in file-name order) and/or ``--part i/n`` (round robin).
+    None selects every shard; an empty value selects none, which is refused (a job file's or a
+    script's empty variable must not turn into "all")."""
     chosen = list(names)
-    if spec:
+    if spec is not None:
+        if not spec.strip():
+            raise BadInput(f"--shards {spec!r}: selects no shard (expected N or N-M, comma-separated)")
         idx: set[int] = set()
         for tok in spec.split(","):
             a, _, b = tok.strip().partition("-")
@@ -163,11 +179,13 @@ def select_shards(names: list[str], spec: str | None = None, part: str | None = 
                 lo, hi = int(a), int(b or a)
             except ValueError:
                 raise BadInput(f"--shards: {tok!r} is not N or N-M") from None
+            if lo > hi:
+                raise BadInput(f"--shards: {tok!r} is reversed (write {hi}-{lo})")
             if not 1 <= lo <= hi <= len(names):
                 raise BadInput(f"--shards: {tok!r} is outside 1-{len(names)}")
             idx.update(range(lo, hi + 1))
         chosen = [n for i, n in enumerate(names, 1) if i in idx]
-    if part:
+    if part is not None:
         try:
             i, n = (int(x) for x in part.split("/"))
         except ValueError:
@@ -195,20 +213,28 @@ def _refuse_linked_state(dst: str) -> None:
 
 IDENTITY = "run.json"
 _WHO = "created_by"  # which run recorded the identity: named when another is refused
+HINTS = "hints"      # per source shard, what tells that it may have been written since (sources.hint)
 
 
 def run_identity(plan: Plan, options: Options) -> dict[str, Any]:
     return {
         "tool": "k3convert", "options": options.identity(), "source": plan.src,
         "profile": plan.profile.name, "quantization": plan.source.record(),
-        "config": source_fingerprint(os.path.join(plan.src, "config.json")),
-        "shards": {s.name: source_fingerprint(s.path) for s in plan.shards},
+        "config": config_identity(os.path.join(plan.src, "config.json")),
+        "shards": {s.name: shard_identity(s.path) for s in plan.shards},
     }
+
+
+def source_change(dst: str, plan: Plan, recorded: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """What the identity cannot see: a finished shard's source (or partner) rewritten in place with
+    its mtime put back. Re-read only where a hint moved (sources.content_change)."""
+    records = {s.name: shard_record(dst, s.name) for s in plan.shards}
+    return content_change(plan.shards, records, recorded.get(HINTS) or {})
 
 
 def identity_difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
     """What differs between a recorded identity and this run's, in words (both values), or None."""
-    old = {k: v for k, v in old.items() if k != _WHO}
+    old, new = _compared(old), _compared(new)
     if old == new:
         return None
     if old.get("source") != new.get("source"):
@@ -294,21 +320,49 @@ def _reset_complete(dst: str) -> None:
                 raise OutputError(f"cannot remove: {e.strerror}", file=p) from None
 
 
+_FOREIGN = "exists, is not empty and holds no k3convert state: choose a new directory"
+
+
+def _usable_dst(plan: Plan, dst: str) -> None:
+    """What refuses DST before anything of ours is put there (the run and --dry-run alike)."""
+    if contains(plan.src, dst) or contains(dst, plan.src):
+        raise OutputError(f"DST and SRC ({plan.src}) must not contain each other", file=dst)
+    if os.path.exists(dst) and (not os.path.isdir(dst) or not os.access(dst, os.W_OK | os.X_OK)):
+        raise OutputError("is not a writable directory", file=dst)
+    if os.path.isdir(dst) and not os.path.lexists(_state(dst)) and [f for f in os.listdir(dst) if f != STATE_DIR]:
+        raise OutputError(_FOREIGN, file=dst)  # (a run started at the same moment may just have made the
+        # state folder: that one is not foreign)
+
+
+def judge_dst(plan: Plan, dst: str, options: Options, ident: Mapping[str, Any], old: Mapping[str, Any] | None
+              ) -> tuple[str | None, dict[str, Any]]:
+    """Whether DST (its recorded identity ``old``, None if none) continues this conversion: None, or
+    what differs, which --overwrite replaces (else refused, exit 4); and the source hints to record.
+    The one decision of the run and of --dry-run."""
+    if old is None:
+        if [f for f in os.listdir(dst) if f != STATE_DIR]:
+            raise OutputError(_FOREIGN, file=dst)
+        return None, {s.name: hint(s.path) for s in plan.shards}
+    what = identity_difference(old, ident)
+    hints: dict[str, Any] = {}
+    if what is None:
+        what, hints = source_change(dst, plan, old)
+    if what is not None:
+        if not options.overwrite:
+            raise OutputError(f"holds a different conversion ({what}), recorded by {_named(old)}: "
+                              "use --overwrite to replace it", file=dst)
+        hints = {s.name: hint(s.path) for s in plan.shards}
+    return what, hints
+
+
 def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
     """Create DST, or check that it continues this very conversion (else refuse/replace).
 
     Returns the DST lock, held: run.json is read, compared and written under it, and the
     caller claims its shards before letting it go (``DstLock.join``), so runs started at once
     agree on one identity or all but one are refused, naming the run that recorded it."""
-    if contains(plan.src, dst) or contains(dst, plan.src):
-        raise OutputError(f"DST and SRC ({plan.src}) must not contain each other", file=dst)
+    _usable_dst(plan, dst)
     ident = run_identity(plan, options)
-    if os.path.exists(dst) and (not os.path.isdir(dst) or not os.access(dst, os.W_OK | os.X_OK)):
-        raise OutputError("is not a writable directory", file=dst)
-    foreign = "exists, is not empty and holds no k3convert state: choose a new directory"
-    if os.path.isdir(dst) and not os.path.lexists(_state(dst)) and [f for f in os.listdir(dst) if f != STATE_DIR]:
-        raise OutputError(foreign, file=dst)  # refused before anything of ours is put there (a run started
-        # at the same moment may just have made the state folder: that one is not foreign)
     try:
         _refuse_linked_state(dst)
         os.makedirs(_state(dst), exist_ok=True)
@@ -318,13 +372,8 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
     lock = DstLock(_state(dst))
     try:
         old = read_json(_state(dst, IDENTITY))
-        if old is None and [f for f in os.listdir(dst) if f != STATE_DIR]:
-            raise OutputError(foreign, file=dst)
-        what = None if old is None else identity_difference(old, ident)
+        what, hints = judge_dst(plan, dst, options, ident, old)
         if what is not None:
-            if not options.overwrite:
-                raise OutputError(f"holds a different conversion ({what}), recorded by {_named(old)}: "
-                                  "use --overwrite to replace it", file=dst)
             if not lock.alone():
                 raise OutputError(f"holds a different conversion ({what}) that another k3convert run is using "
                                   f"(recorded by {_named(old)}): refusing to replace it", file=dst)
@@ -334,7 +383,9 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
         if lock.alone():
             _clean_temporaries(dst)
         if old is None:
-            write_json(_state(dst, IDENTITY), {**ident, _WHO: _who()})
+            write_json(_state(dst, IDENTITY), {**ident, HINTS: hints, _WHO: _who()})
+        elif old.get(HINTS) != hints:  # the content was re-read and still matches (cp -al, chmod)
+            write_json(_state(dst, IDENTITY), {**old, HINTS: hints})
     except OSError as e:
         lock.close()
         raise OutputError(f"cannot write: {e.strerror}", file=e.filename or dst) from None
@@ -448,14 +499,24 @@ def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
     options.check()
     dst = os.path.abspath(dst)
     chosen = selected(plan, options)
-    done = [s.name for s in chosen if os.path.isdir(dst) and shard_record(dst, s.name)]
+    _usable_dst(plan, dst)  # the run's own decisions, so that the dry run says what the run will do
+    old = read_json(_state(dst, IDENTITY)) if os.path.isdir(_state(dst)) else None
+    action = "create it" if not os.path.exists(dst) else "start in it (empty)"
+    if os.path.isdir(dst):
+        what, _ = judge_dst(plan, dst, options, run_identity(plan, options), old)  # refused: exit 4, as the run
+        if what is not None:
+            action = f"replace it (--overwrite): it holds a different conversion ({what})"
+        elif old is not None:
+            action = "continue the conversion it holds"
+    replaced = action.startswith("replace")
+    done = [s.name for s in chosen if old is not None and not replaced and shard_record(dst, s.name)]
     todo = [s for s in chosen if s.name not in done]
     probe = dst
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     devices, workers, _ = plan_workers(options, len(chosen))
     return {
-        "source": plan.src, "dst": dst, "profile": f"{plan.profile.name} ({plan.profile_reason})",
+        "source": plan.src, "dst": dst, "dst_action": action, "profile": f"{plan.profile.name} ({plan.profile_reason})",
         "scale_convention": plan.source.scale_note, "scale_rule": options.scale_rule, "devices": devices,
         "workers": workers,
         "shards": len(chosen), "shards_done": len(done), "shards_todo": len(todo),
@@ -528,7 +589,8 @@ def _record(dst: str, plan: Plan, options: Options, f: dict, on_event: Event) ->
     write_json(state_file(dst, f["shard"], ".done.json"), {
         "shard": f["shard"], "digest": f["digest"], "bytes": f["bytes"], "converted": len(rows),
         "seconds": round(f["seconds"], 3),
-        "sources": f["sources"], "rel_rmse_worst": worst["rel_rmse"] if worst else 0.0,
+        "sources": f["sources"], "source_digest": f["source_digest"], "partner_digests": f["partner_digests"],
+        "rel_rmse_worst": worst["rel_rmse"] if worst else 0.0,
         "snr_db_min": min((r["snr_db"] for r in rows), default=None),
         "output": file_fingerprint(os.path.join(dst, f["shard"])),
         "stages": {k: round(v, 3) for k, v in f.get("stages", {}).items()},
@@ -563,7 +625,8 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
                 options = Options.recorded(run.get("options") or {})
             plan = plan or options.plan(run["source"])
             # what run.json records is what the shards were converted from, with: checked here too
-            if (what := identity_difference(run, run_identity(plan, options))) is not None:
+            what = identity_difference(run, run_identity(plan, options)) or source_change(dst, plan, run)[0]
+            if what is not None:
                 raise OutputError(f"holds a conversion that no longer matches ({what}), recorded by "
                                   f"{_named(run)}: rerun mxfp4-to-int4 (--overwrite to start again)", file=dst)
             with writing(dst):
@@ -619,6 +682,37 @@ def _clean_dead_temporaries(dst: str, shards: list[str], written: set[str]) -> N
                 discard(os.path.join(dst, folder, e))
 
 
+def _recorded_files(dst: str) -> set[str]:
+    """The files beside the shards that DST's manifest says an earlier finalize wrote."""
+    try:
+        m = read_json(os.path.join(dst, MANIFEST))
+    except OutputError:  # a corrupt manifest is replaced; what it named is not known
+        return set()
+    files = m.get("files") if isinstance(m, dict) else None
+    return {n for n in files if isinstance(n, str)} if isinstance(files, dict) else set()
+
+
+def _remove_stale(dst: str, names: set[str]) -> None:
+    """Remove side files an earlier finalize copied that SRC no longer has (S15): DST must hold
+    what SRC gives now, not a stale copy that verify then rejects. Only names the manifest
+    recorded as ours; called while the manifest says partial, so a kill leaves a DST to redo."""
+    for name in sorted(names):
+        try:
+            path = dest_file(dst, name)
+        except OutputError:
+            continue  # a name leading outside DST or through a link: never followed
+        if not os.path.isfile(path) or os.path.islink(path):
+            continue
+        try:
+            os.unlink(path)
+            folder = os.path.dirname(path)
+            while os.path.abspath(folder) != os.path.abspath(dst) and not os.listdir(folder):
+                os.rmdir(folder)  # a folder of side files that is now empty
+                folder = os.path.dirname(folder)
+        except OSError as e:
+            raise OutputError(f"cannot remove a side file SRC no longer has: {e.strerror}", file=path) from None
+
+
 def _rule_record(rule: str, figs: list[TensorFigures]) -> dict[str, Any]:
     """The report's scale rule and the other rule's figures on the same weights (docs/maths.md)."""
     cmp = [r.cmp_rel_rmse for r in figs if r.cmp_rel_rmse is not None]
@@ -655,11 +749,13 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
     # like a finished checkpoint, and no temporary
     staged: list[tuple[str, str]] = []
     files: dict[str, dict[str, Any]] = {}  # every file written beside the shards: bytes and digest
+    recorded = _recorded_files(dst)
     if all_done or failed:  # DERIVED is replaced: an old "complete" must not stand over a half-replaced set
         _reset_complete(dst)  # (before staging: it writes the manifest through the same temporary name)
     try:
         if all_done and not failed:
             want = expected(plan, options.scale_rule)
+            _remove_stale(dst, recorded - set(want.side_files) - set(want.documents) - {TENSOR_TABLE, REPORT})
             for target, rel in want.side_files.items():
                 src, out = os.path.join(plan.src, rel), dest_file(dst, target)
                 files[target] = _file_record(src)  # the source's bytes: a copy that differs fails verify

@@ -135,9 +135,14 @@ def available() -> list[Profile]:
     return [load(os.path.join(d, f)) for f in sorted(os.listdir(d)) if f.endswith(".toml")]
 
 
+def is_file(name: str) -> bool:
+    """Whether ``--profile NAME`` names a file (else a bundled profile's name)."""
+    return name.endswith(".toml") or os.sep in name
+
+
 def named(name: str) -> Profile:
     """A bundled profile by name, or a profile file by path."""
-    if name.endswith(".toml") or os.sep in name:
+    if is_file(name):
         return load(name)
     for p in available():
         if p.name == name:

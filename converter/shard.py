@@ -189,8 +189,8 @@ class ShardConverter:
         self._outputs = _Pool(writers + 2, lambda: self._pair(torch.int16))
         self._copies = _Pool(readers + writers + 2, lambda: np.empty(COPY_PIECE, dtype=np.uint8))
         if self.device.type == "cpu":
-            from .quant.cpu_kernel import output_error as cpu_output_error  # numba: CPU path only
-            self._cpu_output_error = cpu_output_error
+            from .quant.cpu_kernel import output_errors as cpu_output_errors  # numba: CPU path only
+            self._cpu_output_errors = cpu_output_errors
 
     def _pair(self, scale_dtype: torch.dtype, groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         g = groups or self.batch_groups
@@ -252,10 +252,14 @@ class ShardConverter:
         pieces, figs = [], []
         oor_col = STAT_FIELDS.index("out_of_range")  # NaN bytes never get here: _read refused them
 
+        def out_errors(c: Convert, lo: int, hi: int, ours: tuple, theirs: tuple | None) -> tuple:
+            """The output error of our int4 and, if given, of the other rule's (words, scales)."""
+            if dev.type == "cpu":  # one pass over the MXFP4 weights for both
+                return self._cpu_output_errors(batch.packed[lo:hi], batch.scales[lo:hi], ours, theirs, c.cols,
+                                               probe(c.cols))
+            return out_error(c, lo, hi, *ours), (None if theirs is None else out_error(c, lo, hi, *theirs))
+
         def out_error(c: Convert, lo: int, hi: int, words: torch.Tensor, wscales: torch.Tensor) -> float:
-            if dev.type == "cpu":
-                return self._cpu_output_error(batch.packed[lo:hi], batch.scales[lo:hi], words, wscales, c.cols,
-                                              probe(c.cols))
             return output_error(packed[lo:hi].reshape(c.rows, c.cols // 2), scales[lo:hi].reshape(c.rows, c.cols // 32),
                                 words.reshape(c.rows, -1).view(torch.int32), wscales.reshape(c.rows, c.cols // 32))
 
@@ -276,11 +280,13 @@ class ShardConverter:
             out_rel = cmp_out = None
             if self.sample(c):
                 with stages.time("sample"):
-                    out_rel = out_error(c, lo, hi, res.packed[lo:hi], res.scales[lo:hi])  # on the CPU: the out buffers
+                    theirs = None
                     if cmp_err2 is not None and math.isfinite(cmp_err2):
                         other_res = cmp if cmp is not None else other(batch.packed[lo:hi], batch.scales[lo:hi])
                         at = slice(lo, hi) if cmp is not None else slice(0, hi - lo)
-                        cmp_out = out_error(c, lo, hi, other_res.packed[at], other_res.scales[at])
+                        theirs = (other_res.packed[at], other_res.scales[at])
+                    # on the CPU, ours: the out buffers
+                    out_rel, cmp_out = out_errors(c, lo, hi, (res.packed[lo:hi], res.scales[lo:hi]), theirs)
             # scales are finite by construction: groups that would not be raise above
             figs.append(figures(f"{c.module}.{PACKED}", c.layer, st[0], st[1], st[2], 0, out_rel, cmp_err2, cmp_out))
             pieces += [

@@ -24,6 +24,7 @@ from .devices import cpus, memory_available
 from .errors import BadInput, ConvertError, OutputError
 from .kernels import requantizer, server_requantizer
 from .quant.rules import optimum_qmin
+from .sources import read_digests, start_content_digest
 from .plan import ShardPlan
 
 Handler = Callable[[str, dict], None]   # (event kind, fields); raises to stop the run
@@ -136,11 +137,11 @@ def _warm_up(device: str) -> None:
     for kernel in (requantizer(device), server_requantizer(device)):  # optimal-pm7: the same kernel
         kernel(p, torch.full((groups,), 127, dtype=torch.uint8, device=device), [0, groups])
     if device.startswith("cpu"):
-        from .quant.cpu_kernel import output_error
+        from .quant.cpu_kernel import output_errors
         from .validate import probe
-        z = torch.zeros((1, 16), dtype=torch.uint8)
-        output_error(z, torch.full((1,), 127, dtype=torch.uint8), z, torch.zeros(1, dtype=torch.bfloat16), 32,
-                     probe(32))
+        z, zs = torch.zeros((1, 16), dtype=torch.uint8), torch.zeros(1, dtype=torch.bfloat16)
+        for other in (None, (z, zs)):  # both kernels: one encoding, and two in one pass
+            output_errors(z, torch.full((1,), 127, dtype=torch.uint8), (z, zs), other, 32, probe(32))
 
 
 def io_threads() -> dict[str, int]:
@@ -183,7 +184,13 @@ def _run(convs: _Converters, task: Task, put: Callable[[tuple[str, dict]], None]
     name = task.shard.name
     put(("start", {"shard": name, "device": convs.device}))
     try:
-        res = convs.get(task).convert(task.shard, task.dst, lambda n: put(("bytes", {"n": n})))
+        hashing = start_content_digest(task.shard.path)  # beside the conversion, which reads it too
+        try:
+            res = convs.get(task).convert(task.shard, task.dst, lambda n: put(("bytes", {"n": n})))
+        except BaseException:
+            hashing.cancel()
+            raise
+        read_from = {"source_digest": hashing.result(), **read_digests(task.shard)}
     except ConvertError as e:
         put(("error", {"shard": name, "message": str(e), "code": e.exit_code, "file": e.file, "tensor": e.tensor}))
         return False
@@ -192,7 +199,7 @@ def _run(convs: _Converters, task: Task, put: Callable[[tuple[str, dict]], None]
                        "message": f"file {e.filename or os.path.join(task.dst, name)}: {e.strerror}"}))
         return False
     put(("done", {"shard": name, "digest": res.digest, "bytes": res.bytes_out, "seconds": res.seconds,
-                  "stages": res.stages, "sources": [os.path.basename(p) for p in task.shard.sources],
+                  "stages": res.stages, "sources": [os.path.basename(p) for p in task.shard.sources], **read_from,
                   "figures": [f.row() for f in res.figures]}))
     return True
 

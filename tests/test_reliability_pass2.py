@@ -91,7 +91,10 @@ def test_identity_records_every_option_that_changes_dst(src_copy, tmp_path):
     run = json.load(open(os.path.join(dst, ".k3convert", "run.json")))
     assert set(run["options"]) >= {"version", "sample_experts", "profile", "drop_activation_quant",
                                    "scale_rule", "max_rel_rmse"}
-    assert {"dev", "inode", "ctime_ns"} <= set(next(iter(run["shards"].values())))
+    # the identity is what the files hold, never where they sit (S1): no device, inode or ctime;
+    # those are hints for re-reading the content, kept apart and never compared
+    assert not {"dev", "inode", "ctime_ns"} & set(next(iter(run["shards"].values())))
+    assert set(next(iter(run["hints"].values()))) == {"inode", "ctime_ns"}
     r = run_cli("mxfp4-to-int4", src_copy, "-o", dst, "--progress", "none")
     assert_clean_error(r, "--sample-experts 2 (recorded) vs 4", code=4)
 
@@ -206,4 +209,4 @@ def test_r16_precedence_command_line_job_file_environment_default(fixture_src, t
     assert "cpu: 1 worker(s)" in chosen()                  # the environment beats the default
     monkeypatch.setenv("K3CONVERT_WORKERS", "zero")
     r = run_cli("mxfp4-to-int4", "--config", job, "-o", tmp_path / "dst", "--dry-run")
-    assert r.exit_code == 2 and "'zero' is not a positive number or auto" in r.output
+    assert r.exit_code == 2 and "K3CONVERT_WORKERS='zero' (the environment): not a positive number" in r.output

@@ -584,8 +584,9 @@ BIG = FixtureSpec(layers=2, experts=2, hidden=256, inter=1024, latent=512, vocab
 
 def test_mid_file_partner_change_keeping_size_and_mtime(tmp_path):
     """A change in the middle of a partner shard that keeps its size and restores its mtime (R2):
-    the write and the utime both move the file's ctime, which the source fingerprint holds, so the
-    resumed run refuses instead of keeping the packed shard made from the old scale."""
+    the write and the utime both move the file's ctime, a hint (not identity: issue 25 S1) that
+    makes the resumed run re-read the scale ranges the packed shard's record holds a digest of;
+    they differ, so it refuses instead of keeping the packed shard made from the old scale."""
     src = write_checkpoint(str(tmp_path / "src"), k3_state_dict(BIG, 1024, BIG.seed), 3_940_000, BIG)
     m, packed, scale = _straddle(src)
     assert (src.no(packed), src.no(scale)) == (1, 2)
@@ -613,6 +614,38 @@ def test_mid_file_partner_change_keeping_size_and_mtime(tmp_path):
         convert(src.path, dst, Options(devices=["cpu"]))
     with open(os.path.join(dst, packed), "rb") as f:
         assert f.read() == made  # nothing rewritten
+
+
+def test_mid_file_own_shard_change_keeping_size_and_mtime(tmp_path):
+    """Issue 25 S1 keeps R2 for a finished shard's own source: its middle changed (past the first
+    and before the last MiB), size and mtime restored. The ctime hint moved, so the digest its
+    converter recorded of every byte it read is recomputed: it differs, the next part refuses.
+    A copy of SRC made with cp -a (the same bytes, every hint moved) continues instead."""
+    src = write_checkpoint(str(tmp_path / "src"), k3_state_dict(BIG, 1024, BIG.seed), 3_940_000, BIG)
+    shard = next(f for f in src.files if os.path.getsize(os.path.join(src.path, f)) > 3 << 20)
+    path = os.path.join(src.path, shard)
+    dst = str(tmp_path / "dst")
+    convert(src.path, dst, Options(devices=["cpu"], shard_spec=str(src.no(shard))))
+    copy = str(tmp_path / "copy")
+    subprocess.run(["cp", "-a", src.path, copy], check=True)  # before the edit: the bytes converted
+
+    st = os.stat(path)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mid = st.st_size // 2
+        assert 1 << 20 <= mid < st.st_size - (1 << 20)
+        os.pwrite(fd, bytes([os.pread(fd, 1, mid)[0] ^ 0x01]), mid)
+    finally:
+        os.close(fd)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.path.getsize(path) == st.st_size
+    with pytest.raises(OutputError, match=f"source files changed: {re.escape(shard)} changed"):
+        convert(src.path, dst, Options(devices=["cpu"]))
+
+    # the unchanged bytes elsewhere (another inode and ctime for every file): the same source
+    shutil.rmtree(src.path)
+    os.rename(copy, src.path)  # the path is identity: the copy takes the original's place
+    assert convert(src.path, dst, Options(devices=["cpu"])).complete
 
 
 # ------------------------------------------------------------------------------ §1: --dry-run and reads

@@ -30,6 +30,7 @@ from converter.fixture import FixtureSpec, make_fixture
 
 from conftest import (INDEX, MANIFEST, assert_not_complete, ct_mxfp4_encode, expert_modules, raw_header, read_json,
                       run_cli, tree_hash)
+from loop_mounts import two_mounts  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "slurm_array.sh"
@@ -222,12 +223,13 @@ def job_env(c: Cluster) -> dict[str, str]:
     return env
 
 
-def sbatch_array(c: Cluster, job: Path, tasks: int, workdir: Path) -> tuple[subprocess.CompletedProcess, str]:
-    """``sbatch --array=0-(tasks-1) --wait`` of scripts/slurm_array.sh; (sbatch's result, job id)."""
+def sbatch_array(c: Cluster, job: Path, tasks: int, workdir: Path, *extra: str) -> tuple[subprocess.CompletedProcess, str]:
+    """``sbatch --array=0-(tasks-1) --wait`` of scripts/slurm_array.sh (``extra``: k3convert options
+    after the job file); (sbatch's result, job id)."""
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = ["sbatch", "--parsable", "--wait", f"--array=0-{tasks - 1}", "--export=ALL", f"--chdir={workdir}",
            f"--output={workdir}/k3convert-%A_%a.log", "--cpus-per-task=1", "--mem=1G", "--time=5",
-           str(SCRIPT), str(job)]
+           str(SCRIPT), str(job), *extra]
     try:
         r = c.run(*cmd, timeout=300, env=job_env(c))
     except subprocess.TimeoutExpired:
@@ -326,6 +328,34 @@ def test_failing_task_fails_with_its_log(slurm, src, tmp_path):
     assert re.search(error, msg, re.M), msg
     assert "slurm_array.sh: task 1 (part 2/2) failed with exit 2" in msg, msg
     assert_not_complete(dst)
+
+
+def test_slurm_arrays_through_another_device_continue(slurm, src, two_mounts, tmp_path):
+    """Issue 25 S1: the tasks of a job array see SRC through another mount than the ones before
+    them (another node, an autofs remount, a reboot: another st_dev, the same files). A first
+    array converts shards 1-2 through one loop device; SRC is then remounted through another
+    (read-only) and a second array converts the rest and completes DST, equal to one process."""
+    mnt, remount = two_mounts
+    shared = os.path.join(mnt, "src")
+    shutil.copytree(src, shared)
+    os.sync()
+    dst, ref = str(tmp_path / "out" / "dst"), str(tmp_path / "out" / "ref")
+    job = write_job(tmp_path / "jobs" / "job.toml", shared, dst)
+    r, job_id = sbatch_array(slurm, job, 2, tmp_path / "work1", "--shards", "1-2")
+    assert_array_ok(r, tmp_path / "work1", job_id, 2)
+    assert read_json(os.path.join(dst, MANIFEST))["complete"] is False
+    dev = os.stat(os.path.join(shared, "config.json")).st_dev
+    remount()
+    assert os.stat(os.path.join(shared, "config.json")).st_dev != dev
+    r, job_id = sbatch_array(slurm, job, 2, tmp_path / "work2")
+    assert_array_ok(r, tmp_path / "work2", job_id, 2)
+    assert read_json(os.path.join(dst, MANIFEST))["complete"] is True
+
+    one = run_cli("mxfp4-to-int4", "--config", job, "-o", ref, "--progress", "none")
+    assert one.exit_code == 0, one.output
+    assert outputs(dst) == outputs(ref)
+    v = run_cli("verify", dst, "--source", shared, "--all")
+    assert v.exit_code == 0, v.output
 
 
 # ---------------------------------------------------------------- without Slurm

@@ -451,14 +451,69 @@ def _matvec_error(packed, scales, out, out_scale, cols, x, lut):  # pragma: no c
     return num, den  # summed by the caller: an array sum here would be split over the threads
 
 
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _matvec_errors2(packed, scales, out, out_scale, out2, out_scale2, cols, x, lut):  # pragma: no cover - compiled
+    """``_matvec_error`` for two int4 encodings of one matrix in one pass: W x (the MXFP4
+    reference) is computed once, not once per encoding; every sum in the same order as there,
+    so each figure is bit-identical to ``_matvec_error``'s."""
+    gpr = cols // 32
+    rows = packed.shape[0] // gpr
+    num = np.zeros(rows)
+    num2 = np.zeros(rows)
+    den = np.zeros(rows)
+    for r in numba.prange(rows):
+        y = 0.0
+        yq = 0.0
+        yq2 = 0.0
+        for gi in range(gpr):
+            g = r * gpr + gi
+            unit = math.ldexp(1.0, np.int64(scales[g]) - 127)
+            acc = 0.0
+            accq = 0.0
+            accq2 = 0.0
+            for j in range(16):
+                b = packed[g, j]
+                o = out[g, j]
+                o2 = out2[g, j]
+                x0 = x[gi * 32 + 2 * j]
+                x1 = x[gi * 32 + 2 * j + 1]
+                acc += lut[b & 15] * x0 + lut[b >> 4] * x1
+                accq += ((o & 15) - 8.0) * x0 + ((o >> 4) - 8.0) * x1
+                accq2 += ((o2 & 15) - 8.0) * x0 + ((o2 >> 4) - 8.0) * x1
+            y += acc * unit
+            yq += accq * out_scale[g]
+            yq2 += accq2 * out_scale2[g]
+        num[r] = (yq - y) ** 2
+        num2[r] = (yq2 - y) ** 2
+        den[r] = y * y
+    return num, num2, den
+
+
+def _ratio(rows_num: np.ndarray, rows_den: np.ndarray) -> float:
+    # summed exactly, so the figure does not depend on how many threads computed the rows
+    num, den = math.sqrt(math.fsum(rows_num.tolist())), math.sqrt(math.fsum(rows_den.tolist()))
+    return num / den if den > 0 else 0.0
+
+
+def output_errors(packed: torch.Tensor, scales: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor],
+                  other: tuple[torch.Tensor, torch.Tensor] | None, cols: int, x: torch.Tensor
+                  ) -> tuple[float, float | None]:
+    """``output_error`` of our int4 ``out`` (words, scales) and, if given, of the other rule's
+    ``other``, sharing one pass over the MXFP4 weights (the sample stage's cost on the CPU)."""
+    if other is None:
+        return output_error(packed, scales, out[0], out[1], cols, x), None
+    num, num2, den = _matvec_errors2(packed.numpy(), scales.numpy(), out[0].numpy(), out[1].double().numpy(),
+                                     other[0].numpy(), other[1].double().numpy(), cols, x.double().numpy(),
+                                     E2M1_VALUES)
+    return _ratio(num, den), _ratio(num2, den)
+
+
 def output_error(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, out_scales: torch.Tensor,
                  cols: int, x: torch.Tensor) -> float:
     """||(W_int4 - W) x|| / ||W x|| for one matrix given as groups, without decoding it whole."""
     rows_num, rows_den = _matvec_error(packed.numpy(), scales.numpy(), out.numpy(), out_scales.double().numpy(),
                                        cols, x.double().numpy(), E2M1_VALUES)
-    # summed exactly, so the figure does not depend on how many threads computed the rows
-    num, den = math.sqrt(math.fsum(rows_num.tolist())), math.sqrt(math.fsum(rows_den.tolist()))
-    return num / den if den > 0 else 0.0
+    return _ratio(rows_num, rows_den)
 
 
 @functools.cache

@@ -16,6 +16,7 @@ from ..manifest import json_bytes
 from ..outputs import BOOKKEEPING, CONFIG, Expected, expected
 from ..plan import README, build_plan
 from ..safepath import open_regular, read_regular
+from ..sources import profile_argument
 from .context import Context
 from .dst import existing_dir, scale_rule
 
@@ -78,7 +79,8 @@ def run(ctx: Context) -> list[Check]:
     src, d, files = existing_dir(ctx.source), ctx.dst, ctx.result.files
     c = Check("from source")
     opts = d.manifest.get("options") or {}
-    plan = build_plan(src, opts.get("profile"), bool(opts.get("drop_activation_quant")))  # BadInput: exit 2
+    plan = build_plan(src, profile_argument(opts.get("profile")),  # the profile the run recorded (BadInput: exit 2)
+                      bool(opts.get("drop_activation_quant")))
     want = expected(plan, scale_rule(d))
     have = set(files)
     for name in sorted(want.names - have):
