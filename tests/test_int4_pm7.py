@@ -56,3 +56,51 @@ def test_zero_scale_and_many_groups():
     c, s = codes.clone(), scales.clone()
     got = repair_groups_(c, s)
     assert not (c == -8).any() and s[7] == 0 and got.repaired == int((codes == -8).any(1).sum())
+
+
+def test_scales_near_the_largest_bf16_keep_candidates_finite():
+    """Scales within 2^3 of bf16's largest finite: the candidates past it are masked, the optimum is
+    still the exact one over the finite scales."""
+    codes, scales = groups(64, 3)
+    scales = (2.0 ** torch.randint(124, 128, (64,)) * (1 + torch.rand(64))).to(torch.bfloat16)
+    scales = torch.where(torch.isfinite(scales), scales, torch.tensor(2.0 ** 127, dtype=torch.bfloat16))
+    codes[:16] = 0
+    codes[:16, 0] = -8            # alone: S = 8|s| with code -1 is exact, but past the largest finite
+    values = codes.double() * scales.double()[:, None]
+    c, s = codes.clone(), scales.clone()
+    got = repair_groups_(c, s)
+    has = (codes == -8).any(1)
+    assert got.repaired == int(has.sum()) and torch.isfinite(s.float()).all() and not (c == -8).any()
+    err = ((c.double() * s.double()[:, None] - values) ** 2).sum(1)
+    assert torch.equal(err[has], brute_force_min(values[has], qmin=-7))
+
+
+def test_the_bytes_do_not_depend_on_step_or_tile_sizes(monkeypatch):
+    """The GPU takes large steps and tiles, the CPU small ones: the repaired bytes must be the same.
+    Tiny steps and tiles (many padded tiles, a class split over steps) against the defaults."""
+    import converter.quant.int4_pm7 as pm7
+
+    codes, scales = groups(3000, 4)
+    c1, s1 = codes.clone(), scales.clone()
+    a = repair_groups_(c1, s1)
+    monkeypatch.setattr(pm7, "step_groups", lambda device: (6, 3))
+    c2, s2 = codes.clone(), scales.clone()
+    b = repair_groups_(c2, s2)
+    assert torch.equal(c1, c2) and torch.equal(s1.view(torch.int16), s2.view(torch.int16))
+    assert a.repaired == b.repaired and abs(a.err2 - b.err2) <= 1e-12 * a.err2
+
+
+def test_steps_by_device_are_bounded():
+    """CPU: the small steps it was measured with; a GPU: large steps within the stated transient budget."""
+    import converter.quant.int4_pm7 as pm7
+    from converter.vllm_plugin import repair
+
+    assert pm7.step_groups(torch.device("cpu")) == (pm7.CHUNK_GROUPS, pm7.TILE_CPU)
+    step, tile = pm7.step_groups(torch.device("cuda"))
+    assert step % tile == 0 and pm7.CHUNK_GROUPS < step <= pm7.GPU_STEP_GROUPS
+    assert step * pm7.STEP_BYTES_PER_GROUP <= pm7.GPU_STEP_BYTES
+    assert repair.experts_per_step(torch.device("cpu"), 10 ** 9) == repair.CHUNK
+    per = 768 * 3584 // 32 * repair.BYTES_PER_GROUP                 # one K3 TP 8 w13 expert
+    n = repair.experts_per_step(torch.device("cuda"), per)
+    assert n > repair.CHUNK and n * per <= repair.GPU_CHUNK_BYTES
+    assert repair.experts_per_step(torch.device("cuda"), 2 * repair.GPU_CHUNK_BYTES) == 1
