@@ -104,3 +104,21 @@ def test_steps_by_device_are_bounded():
     n = repair.experts_per_step(torch.device("cuda"), per)
     assert n > repair.CHUNK and n * per <= repair.GPU_CHUNK_BYTES
     assert repair.experts_per_step(torch.device("cuda"), 2 * repair.GPU_CHUNK_BYTES) == 1
+
+
+def test_repair_ct_bytes_do_not_depend_on_experts_per_step(monkeypatch):
+    """repair.repair_ct_ takes many experts per step on a GPU, CHUNK on the CPU: same bytes, same figure."""
+    from converter.vllm_plugin import repair
+
+    codes, scales = groups(5 * 8 * 4, 5)                  # 5 experts of 8 rows of 4 groups
+    words = repair.codes_to_words(codes.view(5, 8, 128))
+    sc = scales.view(5, 8, 4)
+    w1, s1 = words.clone(), sc.clone()
+    a = repair.repair_ct_(w1, s1)
+    monkeypatch.setattr(repair, "experts_per_step", lambda device, nbytes: 3)
+    w2, s2 = words.clone(), sc.clone()
+    b = repair.repair_ct_(w2, s2)
+    assert torch.equal(w1, w2) and torch.equal(s1.view(torch.int16), s2.view(torch.int16))
+    assert a.repaired == b.repaired > 0 and abs(a.ref2 - b.ref2) <= 1e-12 * a.ref2
+    values = codes.double() * scales.double()[:, None]
+    assert abs(a.ref2 - float((values ** 2).sum())) <= 1e-12 * a.ref2   # ref2: every group's stored values
