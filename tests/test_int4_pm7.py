@@ -122,3 +122,19 @@ def test_repair_ct_bytes_do_not_depend_on_experts_per_step(monkeypatch):
     assert a.repaired == b.repaired > 0 and abs(a.ref2 - b.ref2) <= 1e-12 * a.ref2
     values = codes.double() * scales.double()[:, None]
     assert abs(a.ref2 - float((values ** 2).sum())) <= 1e-12 * a.ref2   # ref2: every group's stored values
+
+
+def test_repair_ct_of_a_slice_of_rows():
+    """A few rows of one expert (contiguous, a size-1 dim with another stride: copy_ onto its own
+    storage raised "refer to a single memory location" on 74b0137) are repaired in place."""
+    from converter.vllm_plugin import repair
+
+    codes, scales = groups(3 * 8 * 4, 6)
+    words = repair.codes_to_words(codes.view(3, 8, 128))
+    sc = scales.view(3, 8, 4).clone()
+    whole_w, whole_s = words.clone(), sc.clone()
+    repair.repair_ct_(whole_w, whole_s)
+    got = repair.repair_ct_(words[1:2, :5], sc[1:2, :5])
+    assert got.repaired > 0
+    assert torch.equal(words[1, :5], whole_w[1, :5]) and torch.equal(sc[1, :5], whole_s[1, :5])
+    assert torch.equal(words[1, 5:], repair.codes_to_words(codes.view(3, 8, 128))[1, 5:])

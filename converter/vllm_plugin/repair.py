@@ -65,7 +65,8 @@ def repair_ct_(words: torch.Tensor, scales: torch.Tensor) -> Repair:
         got = repair_groups_(groups, flat)
         if got.repaired:
             w.copy_(codes_to_words(codes))
-            s.copy_(flat.view_as(s))
+            if not s.is_contiguous():          # else flat is s's own storage, already written
+                s.copy_(flat.view_as(s))
         total = total + Repair(got.groups, got.repaired, got.err2, 0.0)
         del codes, groups
     total.ref2 = float(ref2)
