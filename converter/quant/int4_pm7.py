@@ -17,12 +17,13 @@ wins; and every S in [|s|/2, |s|) has, code by code, at least the error of S = |
 whole table when it is built: `_tables`), so with ties to the larger scale it never wins. That leaves
 the 385 bf16 bit patterns from bits(|s|) to bits(|s|) + 384 = bits(a).
 
-Cost: groups are sorted by scale mantissa (128 classes) and padded to tiles of one class, so one float64
-batched matmul [tiles, TILE, 17] x [tiles, 17, 385] scores a whole step of groups with no Python loop
-over classes (empty classes cost nothing); the per-group result does not depend on the step or tile
-sizes (every sum is exact). Step sizes by device (``step_groups``): on the CPU the small steps it was
-measured with (BENCHMARKS.md); on a GPU (CUDA or ROCm) steps of up to 2^18 groups, bounded by
-GPU_STEP_BYTES of transient memory. Host syncs: a few per call, none per step.
+Cost: groups are sorted by scale mantissa (128 classes) and padded to tiles of one class, so on a GPU
+one float64 batched matmul [tiles, TILE, 17] x [tiles, 17, 385] scores a whole step of groups with no
+Python loop over classes (on the CPU one matmul per class present in the step, faster there). The
+per-group result does not depend on step or tile sizes (every sum is exact; tests check it). Steps by
+device (``step_groups``): on the CPU 8,192 groups (the [groups, 385] errors stay in cache); on a GPU
+(CUDA or ROCm) up to 2^18 groups, bounded by GPU_STEP_BYTES of transient memory. Host syncs: a few
+per call, none per step (the CPU has none to make). Speeds: BENCHMARKS.md, scripts/bench_repair.py.
 """
 from __future__ import annotations
 
@@ -39,11 +40,11 @@ CODES = torch.arange(-8, 9)    # |s| folds a negative scale's sign into the code
 LO, HI = 0, 384                # candidate bit offsets from bits(|s|) (see the module docstring)
 BELOW = 128                    # offsets [-BELOW, 0): shown dominated by offset 0 when the table is built
 BF16_MIN_NORMAL, BF16_MAX_FINITE = 0x0080, 0x7F7F
-CHUNK_GROUPS = 1 << 15         # groups per step on the CPU
+CHUNK_GROUPS = 1 << 13         # groups per step on the CPU: its [groups, 385] errors (25 MB) stay in cache
 GPU_STEP_GROUPS = 1 << 18      # groups per step on a GPU, at most ...
 GPU_STEP_BYTES = 1 << 30       # ... this transient memory per step
 STEP_BYTES_PER_GROUP = 4096    # err [385] f64 (3080) + hist, codes, indices, the tile's table share
-TILE_CPU, TILE_GPU = 64, 256   # groups per tile (one scale class): padding waste <= 128 * TILE per call
+TILE_CPU, TILE_GPU = 16, 256   # groups per tile (one scale class): padding waste <= 128 * TILE per call
 
 
 def _score(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +150,27 @@ def repair_groups_(codes: torch.Tensor, scales: torch.Tensor) -> Repair:
     return Repair(codes.shape[0], n, err2, ref2)
 
 
+def _errors(hist: torch.Tensor, tile_cls: torch.Tensor, score_t: torch.Tensor) -> torch.Tensor:
+    """hist [groups, 17] (tiles of one scale class ``tile_cls`` each) times its class's scores: [groups, 385].
+
+    On a GPU one batched matmul (no loop over classes); on the CPU, where a batch of small matmuls is
+    about 2x slower than one per class, one matmul per run of tiles of the same class (tile_cls is on
+    the host there, no sync). Exact either way, so the same result."""
+    nt = tile_cls.numel()
+    if hist.device.type != "cpu":
+        err = torch.bmm(hist.view(nt, -1, hist.shape[1]), score_t.index_select(0, tile_cls))
+        return err.view(hist.shape[0], -1)
+    tile = hist.shape[0] // nt
+    err = torch.empty(hist.shape[0], score_t.shape[2], dtype=torch.float64)
+    cls = tile_cls.tolist()
+    lo = 0
+    for j in range(1, nt + 1):
+        if j == nt or cls[j] != cls[lo]:
+            torch.mm(hist[lo * tile:j * tile], score_t[cls[lo]], out=err[lo * tile:j * tile])
+            lo = j
+    return err
+
+
 def _repair_step_(codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor,
                   src: torch.Tensor, real: torch.Tensor, tile_cls: torch.Tensor, q: torch.Tensor,
                   score_t: torch.Tensor, mask: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,9 +187,7 @@ def _repair_step_(codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor,
     k = (c * sign[:, None]).long() + 8                           # index into CODES (-8..8)
     hist = torch.zeros(c.shape[0], CODES.numel(), dtype=torch.float64, device=c.device)
     hist.scatter_add_(1, k, torch.ones_like(k, dtype=torch.float64))
-    nt = tile_cls.numel()
-    err = torch.bmm(hist.view(nt, -1, CODES.numel()), score_t.index_select(0, tile_cls))
-    err = err.view(c.shape[0], -1)                               # [groups, 385], largest scale first
+    err = _errors(hist, tile_cls, score_t)                       # [groups, 385], largest scale first
     del hist
     if mask:
         past = torch.arange(HI, LO - 1, -1, device=c.device)[None, :] > (BF16_MAX_FINITE - b)[:, None]
