@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from converter.quant import int4_pm7 as pm7  # noqa: E402
 from converter.vllm_plugin import layout, repair  # noqa: E402
 
 # per rank: (experts, 2 * intermediate, hidden) for w13; w2 is [experts, hidden, intermediate]
@@ -142,13 +143,18 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
     ap.add_argument("--sample-rows", type=int, default=256, help="rows per sampled expert checked on the CPU")
     ap.add_argument("--budget-s", type=float, default=150, help="stop adding layers after this many seconds")
+    ap.add_argument("--step-groups", type=int, default=0,
+                    help="GPU: groups per matmul step (default int4_pm7's, 2^18; transient 4 KiB per group)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.step_groups:
+        pm7.GPU_STEP_GROUPS, pm7.GPU_STEP_BYTES = args.step_groups, args.step_groups * pm7.STEP_BYTES_PER_GROUP
     dev = torch.device(args.device)
     if dev.type == "cuda":
         if dev.index is not None:
             torch.cuda.set_device(dev)
-        print(f"device {torch.cuda.get_device_name(dev)}, torch {torch.__version__}", flush=True)
+        print(f"device {torch.cuda.get_device_name(dev)}, torch {torch.__version__}; steps of "
+              f"{pm7.step_groups(dev)[0]:,} groups", flush=True)
     else:
         print(f"device cpu ({torch.get_num_threads()} threads), torch {torch.__version__}", flush=True)
     t0 = time.perf_counter()

@@ -76,18 +76,21 @@ def test_scales_near_the_largest_bf16_keep_candidates_finite():
 
 
 def test_the_bytes_do_not_depend_on_step_or_tile_sizes(monkeypatch):
-    """The GPU takes large steps and tiles, the CPU small ones: the repaired bytes must be the same.
-    Tiny steps and tiles (many padded tiles, a class split over steps) against the defaults."""
+    """The GPU takes large steps and tiles and one batched matmul, the CPU small steps and a matmul per
+    class: the repaired bytes must be the same. Tiny steps and tiles (many padded tiles, a class split
+    over steps), the batched form and the GPU's sizes, on the CPU, against the defaults."""
     import converter.quant.int4_pm7 as pm7
 
     codes, scales = groups(3000, 4)
     c1, s1 = codes.clone(), scales.clone()
     a = repair_groups_(c1, s1)
-    monkeypatch.setattr(pm7, "step_groups", lambda device: (6, 3))
-    c2, s2 = codes.clone(), scales.clone()
-    b = repair_groups_(c2, s2)
-    assert torch.equal(c1, c2) and torch.equal(s1.view(torch.int16), s2.view(torch.int16))
-    assert a.repaired == b.repaired and abs(a.err2 - b.err2) <= 1e-12 * a.err2
+    for step, tile, gpu in ((6, 3, False), (6, 3, True), (512, 256, True), (1 << 18, 256, True)):
+        monkeypatch.setattr(pm7, "step_groups", lambda device: (step, tile))
+        monkeypatch.setattr(pm7, "batched", lambda device: gpu)   # the GPU's batched matmul, on the CPU
+        c2, s2 = codes.clone(), scales.clone()
+        b = repair_groups_(c2, s2)
+        assert torch.equal(c1, c2) and torch.equal(s1.view(torch.int16), s2.view(torch.int16)), (step, tile, gpu)
+        assert a.repaired == b.repaired and abs(a.err2 - b.err2) <= 1e-12 * a.err2
 
 
 def test_steps_by_device_are_bounded():

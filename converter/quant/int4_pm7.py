@@ -150,6 +150,11 @@ def repair_groups_(codes: torch.Tensor, scales: torch.Tensor) -> Repair:
     return Repair(codes.shape[0], n, err2, ref2)
 
 
+def batched(device: torch.device) -> bool:
+    """Whether the scores of a step are one batched matmul (GPU) or one matmul per class run (CPU)."""
+    return device.type != "cpu"
+
+
 def _errors(hist: torch.Tensor, tile_cls: torch.Tensor, score_t: torch.Tensor) -> torch.Tensor:
     """hist [groups, 17] (tiles of one scale class ``tile_cls`` each) times its class's scores: [groups, 385].
 
@@ -157,7 +162,7 @@ def _errors(hist: torch.Tensor, tile_cls: torch.Tensor, score_t: torch.Tensor) -
     about 2x slower than one per class, one matmul per run of tiles of the same class (tile_cls is on
     the host there, no sync). Exact either way, so the same result."""
     nt = tile_cls.numel()
-    if hist.device.type != "cpu":
+    if batched(hist.device):
         err = torch.bmm(hist.view(nt, -1, hist.shape[1]), score_t.index_select(0, tile_cls))
         return err.view(hist.shape[0], -1)
     tile = hist.shape[0] // nt
