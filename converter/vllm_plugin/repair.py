@@ -8,6 +8,12 @@ layer already laid out: the layout (layout.convert_experts_) is a permutation of
 (code q stored as q & 0xF, i.e. the CT nibble q + 8 with its top bit flipped) and of its scales, so its
 inverse is found by running convert_experts_ itself on tensors of position digits (whatever
 implementation layout.py has), once per shape.
+
+Steps by device (``experts_per_step``): on the CPU CHUNK experts at a time; on a GPU (CUDA or ROCm) as
+many experts as fit GPU_CHUNK_BYTES of transient memory (about 256 bytes per group for the codes and
+their index arrays, 4 bytes per nibble for the unlayout), plus int4_pm7's step (GPU_STEP_BYTES). Peak
+transient memory on a GPU: about GPU_CHUNK_BYTES + int4_pm7.GPU_STEP_BYTES (2 GiB), plus the cached
+inverse layout index (int64 per nibble and scale of one expert, per weight shape).
 """
 from __future__ import annotations
 
@@ -21,7 +27,10 @@ from ..quant.int4_pm7 import Repair, repair_groups_, stored_ref2
 from . import layout
 
 ENV = "K3CONVERT_MINUS8"       # "refuse": a -8 misread refuses the model instead of repairing it
-CHUNK = 4                      # experts per step: transient memory a few experts' codes
+CHUNK = 4                      # experts per step on the CPU: transient memory a few experts' codes
+GPU_CHUNK_BYTES = 1 << 30      # transient memory of one step on a GPU (int4_pm7's matmul step apart)
+BYTES_PER_GROUP = 256          # codes (32), their int16/bool/uint8 copies and the repaired rows' indices
+BYTES_PER_NIBBLE = 4           # unlayout: both nibbles, the CT order, the repacked bytes
 
 
 def refuse() -> bool:
@@ -34,21 +43,33 @@ def codes_to_words(codes: torch.Tensor) -> torch.Tensor:
     return (nib[..., 0] | (nib[..., 1] << 4)).contiguous().view(torch.int32)
 
 
+def experts_per_step(device: torch.device, bytes_per_expert: int) -> int:
+    """Experts per step: CHUNK on the CPU; on a GPU as many as fit GPU_CHUNK_BYTES (at least one)."""
+    if device.type == "cpu":
+        return CHUNK
+    return max(1, GPU_CHUNK_BYTES // max(1, bytes_per_expert))
+
+
 def repair_ct_(words: torch.Tensor, scales: torch.Tensor) -> Repair:
     """In place on CT words [E, N, K/8] and scales [E, N, G]: every group holding -8 re-optimized.
     ``ref2`` covers every group given (the layer's stored values), so ``rel_rmse`` is the layer's."""
     total = Repair(0, 0, 0.0, 0.0)
-    for lo in range(0, words.shape[0], CHUNK):
-        w, s = words[lo:lo + CHUNK], scales[lo:lo + CHUNK]
+    ref2 = torch.zeros((), dtype=torch.float64, device=words.device)
+    step = experts_per_step(words.device, scales[0].numel() * BYTES_PER_GROUP) if words.shape[0] else 1
+    for lo in range(0, words.shape[0], step):
+        w, s = words[lo:lo + step], scales[lo:lo + step]
         codes = layout.ct_words_to_codes(w)
         groups = codes.view(-1, layout.GROUP)
         flat = s.reshape(-1)
-        ref2 = stored_ref2(groups, flat)
+        ref2 += stored_ref2(groups, flat)
         got = repair_groups_(groups, flat)
         if got.repaired:
             w.copy_(codes_to_words(codes))
-            s.copy_(flat.view_as(s))
-        total = total + Repair(got.groups, got.repaired, got.err2, ref2)
+            if not s.is_contiguous():          # else flat is s's own storage, already written
+                s.copy_(flat.view_as(s))
+        total = total + Repair(got.groups, got.repaired, got.err2, 0.0)
+        del codes, groups
+    total.ref2 = float(ref2)
     return total
 
 
@@ -92,13 +113,14 @@ def unlayout_(packed: torch.Tensor, flat_scales: torch.Tensor, n: int, k: int
     src, ssrc = _inverse(n, k, g, str(packed.device))
     words = packed.view(torch.uint8).reshape(e, n, k // 2)
     scales = flat_scales.view(e, n * g)
-    for lo in range(0, e, CHUNK):
-        b = words[lo:lo + CHUNK].reshape(-1, n * k // 2)
+    step = experts_per_step(packed.device, n * k * BYTES_PER_NIBBLE)
+    for lo in range(0, e, step):
+        b = words[lo:lo + step].reshape(-1, n * k // 2)
         laid = torch.stack((b & 15, b >> 4), dim=-1).view(b.shape[0], -1) ^ 8        # CT nibbles, laid order
         ct = torch.empty_like(laid)
         ct[:, src] = laid
         b.copy_(ct.view(b.shape[0], -1, 2)[..., 0] | (ct.view(b.shape[0], -1, 2)[..., 1] << 4))
-        s = scales[lo:lo + CHUNK]
+        s = scales[lo:lo + step]
         ct_s = torch.empty_like(s)
         ct_s[:, ssrc] = s
         s.copy_(ct_s)
