@@ -11,6 +11,7 @@ every channel it is given takes part. ``fault`` plants one defect:
   "minus8"    reads nibble 0x8 as +8 (an unsigned offset), not -8
   "layout"    reads the weights without the (16, 16) preshuffle (a permuted layout)
   "remote"    computes experts another rank owns, with this rank's expert of the same index
+  "rows"      writes each token's result one row down (a token-order fault of a prefill tile)
 A fault written ``"minus8@32"`` is planted only in the kernel variant of that M tile: like aiter's
 untuned int4 MoE (``fused_moe.py`` get_2stage_cfgs), the simulated kernel picks tile 16 below 2048
 tokens, 32 below 16384 and 64 above, so e.g. only prefill batches of 2048+ tokens misread -8.
@@ -145,4 +146,6 @@ def moe(helpers: Helpers, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor
         h = (x[tok].float() @ W13[le].T).to(torch.bfloat16)
         y = glu_bf16(h, beta, linear_beta, fault).float() @ W2[le].T
         out.index_add_(0, tok, topk_weights[tok, slot].float()[:, None] * y)
+    if fault == "rows":
+        out = out.roll(1, dims=0)
     return out.to(torch.bfloat16)

@@ -160,6 +160,24 @@ def test_a_fault_in_one_variant_only_is_caught(helpers, fault, tile, named):
     assert f"tile {tile} ({dict(selftest.TILE_BANDS)[tile]} tokens): FAILED" in out.line()
 
 
+@pytest.mark.parametrize("tile", [32, 64])
+def test_a_prefill_tile_that_mixes_rows_is_caught_although_its_probe_repeats_tokens(helpers, tile):
+    """Prefill probes repeat DISTINCT distinct tokens in random order (their reference costs DISTINCT
+    rows); a kernel that puts a token's result in another row still fails, as no known fault."""
+    out = run_selftest(helpers, fault=f"rows@{tile}")
+    assert [v.tile for v in out.variants if v.problem] == [tile], out.line()
+    assert selftest.NO_KNOWN_FAULT in out.problem
+
+
+def test_a_prefill_probe_repeats_few_distinct_tokens_in_random_rows(helpers):
+    """Every distinct token appears, rows point at their own token, and the order is not periodic."""
+    experts = {0: next(iter(laid_out_layer(helpers, "")[1].values()))}
+    probe = selftest.make_probe(experts, [], selftest.Activation(BETA, LINEAR_BETA), tokens=2048)
+    assert probe.x.shape[0] == 2048 and probe.rows.unique().numel() == selftest.DISTINCT
+    assert torch.equal(probe.x[probe.distinct][probe.rows], probe.x)
+    assert not torch.equal(probe.rows[: selftest.DISTINCT], torch.arange(selftest.DISTINCT))
+
+
 @pytest.mark.parametrize("fault", ["minus8", "minus8@32"])
 def test_a_minus8_misread_ends_in_a_repaired_retested_layer(helpers, fault):
     """The path moe_method takes: the self-test fails with -8 misread, the laid-out layer (and the

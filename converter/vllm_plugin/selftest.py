@@ -33,6 +33,7 @@ MINUS_EIGHT_FIX = ("convert with `--scale-rule optimal-pm7` (codes in [-7, 7], R
 # get_padded_M's buckets). The thresholds are literals there, not exposed: these are them.
 TILE_BANDS = ((16, 1), (32, 2048), (64, 16384))   # (tile, smallest token count that reaches it)
 DECODE_TOKENS = len(TOKEN_RMS)                      # the smallest band is probed with 8 tokens
+DISTINCT = 256   # distinct tokens of a bigger probe; its other rows repeat them in random order
 
 
 def enabled() -> bool:
@@ -125,6 +126,19 @@ class Probe:
     topk_ids: torch.Tensor      # int32 [T, k], global expert ids
     local: tuple[int, ...]      # the global ids whose int4 the reference holds
     remote: tuple[int, ...]
+    rows: torch.Tensor | None = None      # int64 [T]: the distinct token row t repeats (None: all distinct)
+    distinct: torch.Tensor | None = None  # int64 [D]: a row holding each distinct token
+
+
+def probe_reference(probe: Probe, experts: Mapping[int, Expert], act: Activation,
+                    minus_eight: float = -8.0) -> torch.Tensor:
+    """The float32 reference for every row of ``probe``, computed once per distinct token: a prefill
+    probe's kernel call sees thousands of rows, its reference costs a few hundred."""
+    if probe.rows is None:
+        return reference(probe.x, probe.topk_weights, probe.topk_ids, experts, act, minus_eight)
+    d = probe.distinct
+    base = reference(probe.x[d], probe.topk_weights[d], probe.topk_ids[d], experts, act, minus_eight)
+    return base[probe.rows]
 
 
 def choose_experts(local_ids: list[int], global_num: int, top_k: int) -> tuple[list[int], list[int]]:
@@ -141,7 +155,19 @@ def choose_experts(local_ids: list[int], global_num: int, top_k: int) -> tuple[l
 def make_probe(experts: Mapping[int, Expert], remote: list[int], act: Activation,
                seed: int = 0, tokens: int = DECODE_TOKENS) -> Probe:
     """Token t's gate projection has RMS TOKEN_RMS[t % 8]; token t routes to every chosen expert,
-    rotated by t."""
+    rotated by t. Above DISTINCT tokens, DISTINCT distinct tokens fill the rows in random order (each at
+    least once): the kernel still runs the variant of the full token count and every row is compared,
+    while a row that took another row's data still differs from its own reference (255 in 256)."""
+    if tokens > DISTINCT:
+        base = make_probe(experts, remote, act, seed, DISTINCT)
+        gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+        order = torch.randperm(tokens, generator=gen)
+        rows = torch.randint(0, DISTINCT, (tokens,), generator=gen)
+        rows[order[:DISTINCT]] = torch.arange(DISTINCT)
+        device = base.x.device
+        rows, distinct = rows.to(device), order[:DISTINCT].to(device)
+        return Probe(base.x[rows], base.topk_weights[rows], base.topk_ids[rows], base.local, base.remote,
+                     rows, distinct)
     device = next(iter(experts.values())).w13_words.device
     hidden = next(iter(experts.values())).w13_words.shape[1] * 8
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -241,7 +267,7 @@ def _explanations(probe: Probe, got: torch.Tensor, experts: Mapping[int, Expert]
             candidates.append((f"it decodes int4 code -8 as {value:g}", act, value))
     found = []
     for why, alt, m8 in candidates:
-        err = rel_errors(got, reference(probe.x, probe.topk_weights, probe.topk_ids, experts, alt, m8))
+        err = rel_errors(got, probe_reference(probe, experts, alt, m8))
         if float(err.max()) <= TOL:
             found.append((why, None if m8 == -8.0 else m8))
     return found
@@ -262,7 +288,7 @@ def variant_experts(experts: Mapping[int, Expert], remote: list[int], tile: int
                     ) -> tuple[dict[int, Expert], list[int]]:
     """The experts a band is probed with: all sampled ones at decode size, else one local and one
     remote expert (the kernel variant, not the expert count, is what a bigger token count tests;
-    few experts keep the float32 reference at 16384 tokens to a few GFLOP)."""
+    few experts, and DISTINCT distinct tokens, keep the float32 reference to a few GFLOP)."""
     if tile == TILE_BANDS[0][0]:
         return dict(experts), list(remote)
     first = next(iter(experts))
@@ -279,7 +305,7 @@ def run(apply: Callable[[Probe], torch.Tensor], experts: Mapping[int, Expert], r
     for tile, first_tokens in bands:
         exps, rem = variant_experts(experts, remote, tile)
         probe = make_probe(exps, rem, act, tokens=max(first_tokens, DECODE_TOKENS))
-        want = reference(probe.x, probe.topk_weights, probe.topk_ids, exps, act)
+        want = probe_reference(probe, exps, act)
         got = apply(probe)
         if got.device.type == "cuda":
             torch.cuda.synchronize(got.device)
