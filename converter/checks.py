@@ -69,14 +69,22 @@ class VerifyResult:
 
     def format(self) -> str:
         """The pass/fail list for the terminal."""
-        lines = [f"verify {self.dst}"]
-        for c in self.checks:
-            lines.append(f"  {c.status}  {c.name:<12} {c.summary}")
-            for p in c.problems[:SHOWN]:
-                lines.append(f"        - {p}")
-            lines += [f"        note: {n}" for n in c.notes]
-            if len(c.problems) > SHOWN:
-                lines.append(f"        ... and {len(c.problems) - SHOWN} more")
+        return "\n".join([header(self.dst), *(line for c in self.checks for line in check_lines(c)), self.footer()])
+
+    def footer(self) -> str:
         n = len(self.problems)
-        lines.append(f"result: {'PASS' if self.ok else 'FAIL'}" + (f" ({n} problem(s))" if n else ""))
-        return "\n".join(lines)
+        return f"result: {'PASS' if self.ok else 'FAIL'}" + (f" ({n} problem(s))" if n else "")
+
+
+def header(dst: str) -> str:
+    return f"verify {dst}"
+
+
+def check_lines(c: Check) -> list[str]:
+    """One check's lines of the pass/fail list (printed as each check ends, by the CLI)."""
+    lines = [f"  {c.status}  {c.name:<12} {c.summary}"]
+    lines += [f"        - {p}" for p in c.problems[:SHOWN]]
+    lines += [f"        note: {n}" for n in c.notes]
+    if len(c.problems) > SHOWN:
+        lines.append(f"        ... and {len(c.problems) - SHOWN} more")
+    return lines

@@ -287,6 +287,7 @@ def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, dp, pp, ep, ve
     server's int4 MoE path will load it at --tp (--dp, --pp, --ep: the vLLM launch; docs/serving.md).
 
     Exit 0 when every check passes, 5 when one fails, 2 when DST or SRC cannot be read."""
+    from .checks import check_lines, header
     from .verify import verify
 
     from .serving import topology
@@ -300,12 +301,19 @@ def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, dp, pp, ep, ve
             topo = topology(serving, Topology(tp, dp, pp, ep))
         except ValueError as e:
             raise click.UsageError(str(e)) from None
+    stream = not as_json and os.path.isdir(dst)   # a missing DST stays one error line
+    if stream:   # the first line at once, each check as it ends: the slow ones (--source, K3's headers) last
+        click.echo(header(dst) + (": reading the shard headers…" if serving else ""))
     try:
         result = verify(dst, src, None if all_ else sample, checksums=not no_checksums,
-                        serving=(serving, topo, verbose) if serving else None)
+                        serving=(serving, topo, verbose) if serving else None,
+                        on_check=(lambda c: click.echo("\n".join(check_lines(c)))) if stream else None)
     except ConvertError as e:
         _fail(e)
-    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else result.format())
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        click.echo(result.footer() if stream else result.format())
     sys.exit(0 if result.ok else 5)
 
 
@@ -343,6 +351,9 @@ def upload_cmd(dst, repo_id, private, revision, dry_run, token, verify_checksums
     Resumable: run the same command again after an interruption."""
     from .hub import card_preview, upload
 
+    if os.path.isdir(dst):   # the first line at once: verify and the Hub take a while (a missing DST: one error)
+        click.echo(f"upload {dst} -> {repo_id}: verifying DST, then "
+                   + ("listing what would be sent…" if dry_run else "sending it…"))
     try:
         res = upload(dst, repo_id, private=private, revision=revision, dry_run=dry_run, token=token,
                      verify_checksums=verify_checksums, base=base_model)

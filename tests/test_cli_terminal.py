@@ -194,3 +194,13 @@ def test_no_process_outlives_the_command(workers, fixture_src, tmp_path):
     assert res["outlived"] == [], res["outlived"]
     text = log.read_text()
     assert "leaked" not in text and "Traceback" not in text, text  # no resource tracker warning at exit
+
+
+def test_verify_prints_each_check_before_its_numeric_checks_load_torch(converted, tmp_path):
+    """verify --source loads torch and compressed-tensors for its numeric checks (seconds): its first
+    line and the structural checks come before that; 74b0137 printed the whole list at the end."""
+    line, before_torch = first_line_then_torch(["verify", converted.dst, "--source", converted.src],
+                                               str(tmp_path))
+    assert line == f"verify {converted.dst}", line
+    assert line in before_torch.splitlines(), f"{line!r} came after torch's import"
+    assert any(x.strip().startswith("PASS  manifest") for x in before_torch.splitlines()), before_torch[-2000:]

@@ -398,7 +398,7 @@ def test_s16_a_hub_error_on_commit_is_one_line(dst, fake_hub):
     res = CliRunner().invoke(main, ["upload", dst, REPO, "--token", "hf_fake_token"],
                              env={"HF_ENDPOINT": fake_hub.url})
     assert res.exit_code == 1, res.output
-    assert res.stdout == "", res.stdout
+    assert res.stdout.splitlines() == [f"upload {dst} -> {REPO}: verifying DST, then sending it…"], res.stdout
     err = res.stderr.strip()
     assert "\n" not in err, err
     assert err.startswith(f"k3convert: error: upload to {REPO} failed: HTTP 500 Internal Server Error on POST "

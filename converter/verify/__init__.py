@@ -16,6 +16,8 @@ of a plain ``verify`` load none of them.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from ..checks import Check, VerifyResult
 from . import (checksums, config, figures, index, listing, manifest, passthrough, redecode, serving, situ,
                source_files, source_identity, tensors)
@@ -28,7 +30,8 @@ CHECKS = (manifest, checksums, listing, index, config, tensors, situ, figures,
 
 def verify(dst: str, source: str | None = None, sample: int | None = 8, *, checksums: bool = True,
            workers: int = 4, serving: tuple | None = None,
-           loader_matcher: bool | None = None) -> VerifyResult:
+           loader_matcher: bool | None = None,
+           on_check: Callable[[Check], None] | None = None) -> VerifyResult:
     """Verify DST; problems are listed in the result (BadInput only when DST or SRC is unreadable).
 
     ``sample``: converted tensors re-decoded when ``source`` is given (None: every one).
@@ -37,11 +40,15 @@ def verify(dst: str, source: str | None = None, sample: int | None = 8, *, check
     adds the "serving" check: the rules of that server's int4 MoE path.
     ``loader_matcher``: compressed-tensors' ``is_match`` re-decides the config's selection
     (seconds of imports); default: with ``source``, whose re-decode loads compressed-tensors anyway.
+    ``on_check``: called with each check as it ends (the CLI prints it at once).
     """
     ctx = open_context(dst, source, sample=sample, checksums=checksums, workers=workers, serving=serving,
                        loader_matcher=source is not None if loader_matcher is None else loader_matcher)
     for check in CHECKS:
-        ctx.result.checks += check.run(ctx)
+        done = check.run(ctx)
+        ctx.result.checks += done
+        for c in done if on_check is not None else ():
+            on_check(c)
     return ctx.result
 
 
