@@ -273,3 +273,39 @@ def converted_default(tmp_path_factory):
     make_fixture(src, FixtureSpec())
     convert(src, dst, Options())
     return src, dst
+
+
+# --------------------------------------------------------------------------- other MoE models
+
+def converted_model(tmp_path_factory, name: str, write) -> tuple[str, str]:
+    """(src, dst): a model fixture written by ``write(src)`` and converted with default options."""
+    root = tmp_path_factory.mktemp(name)
+    src, dst = str(root / "src"), str(root / "dst")
+    write(src)
+    convert(src, dst, Options())
+    return src, dst
+
+
+def with_config(src: str, root: str, edit) -> str:
+    """A copy of checkpoint ``src`` under ``root`` whose config.json ``edit(cfg)`` changed."""
+    out = os.path.join(root, "edited")
+    shutil.copytree(src, out)
+    cfg = read_json(os.path.join(out, "config.json"))
+    edit(cfg)
+    write_json(os.path.join(out, "config.json"), cfg)
+    return out
+
+
+def assert_verified_and_on_triton(src: str, dst: str, servers: tuple[str, ...] = ()) -> None:
+    """verify --source passes; stock vLLM 0.33 on gfx942 takes the experts with TRITON and silu; and
+    each of ``servers`` passes too."""
+    from converter import serving
+    from converter.verify import verify
+
+    result = verify(dst, src)
+    assert result.ok, [p for c in result.checks for p in c.problems]
+    rocm = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", 1)}
+    assert all(r.ok for r in rocm.values()), [r.message for r in rocm.values() if not r.ok]
+    assert "TRITON (TritonWNA16Experts), silu" in rocm["kernel"].message
+    for server in servers:
+        assert all(r.ok for r in serving.check_serving(dst, server, 1)), server

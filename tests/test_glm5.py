@@ -12,21 +12,17 @@ import re
 import pytest
 
 import glm5_fixture as glm
-from conftest import all_tensors, ct_int4_values, ct_mxfp4_values, read_json, tensor_bytes
-from converter import serving
+from conftest import (
+    all_tensors, assert_verified_and_on_triton, converted_model, ct_int4_values, ct_mxfp4_values,
+    read_json, tensor_bytes)
 from converter.errors import BadInput
 from converter.formats.dialect import _matches
 from converter.pipeline import Options, convert
-from converter.verify import verify
 
 
 @pytest.fixture(scope="module")
 def done(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm5")
-    src, dst = str(root / "src"), str(root / "dst")
-    glm.write(src)
-    convert(src, dst, Options())
-    return src, dst
+    return converted_model(tmp_path_factory, "glm5", glm.write)
 
 
 def test_the_writers_layout(done):
@@ -74,12 +70,7 @@ def test_config_and_activation(done):
 
 
 def test_verify_and_serving(done):
-    src, dst = done
-    result = verify(dst, src)
-    assert result.ok, [p for c in result.checks for p in c.problems]
-    rocm = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", 1)}
-    assert all(r.ok for r in rocm.values()), [r.message for r in rocm.values() if not r.ok]
-    assert "TRITON (TritonWNA16Experts), silu" in rocm["kernel"].message
+    assert_verified_and_on_triton(*done)
 
 
 def test_the_templates_mxfp4_shared_experts_are_refused_by_name(tmp_path):

@@ -18,21 +18,17 @@ import pytest
 import torch
 
 import ling_fixture as ling
-from conftest import all_tensors, ct_int4_values, ct_mxfp4_values, read_json, tensor_bytes, write_json
-from converter import serving
+from conftest import (
+    all_tensors, assert_verified_and_on_triton, converted_model, ct_int4_values, ct_mxfp4_values,
+    read_json, tensor_bytes, with_config)
 from converter.errors import BadInput
 from converter.formats.dialect import _matches
 from converter.pipeline import Options, convert
-from converter.verify import verify
 
 
 @pytest.fixture(scope="module")
 def done(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ling")
-    src, dst = str(root / "src"), str(root / "dst")
-    ling.write(src)
-    convert(src, dst, Options())
-    return src, dst
+    return converted_model(tmp_path_factory, "ling", ling.write)
 
 
 def test_profile_and_dialect(done):
@@ -89,27 +85,11 @@ def test_config_names_experts_and_fp8_linears_only(done):
 
 
 def test_verify_and_serving(done):
-    src, dst = done
-    result = verify(dst, src)
-    assert result.ok, [p for c in result.checks for p in c.problems]
-    rocm = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", 1)}
-    assert all(r.ok for r in rocm.values()), [r.message for r in rocm.values() if not r.ok]
-    assert "TRITON (TritonWNA16Experts), silu" in rocm["kernel"].message
-    assert all(r.ok for r in serving.check_serving(dst, "sglang-rocm", 1))
-
-
-def _edited(src: str, root: str, edit) -> str:
-    import shutil
-    out = os.path.join(root, "edited")
-    shutil.copytree(src, out)
-    cfg = read_json(os.path.join(out, "config.json"))
-    edit(cfg)
-    write_json(os.path.join(out, "config.json"), cfg)
-    return out
+    assert_verified_and_on_triton(*done, servers=("sglang-rocm",))
 
 
 def test_another_routed_experts_method_is_refused(done, tmp_path):
-    src = _edited(done[0], str(tmp_path), lambda c: c["quantization_config"].update(routed_experts_quant_method="nvfp4"))
+    src = with_config(done[0], str(tmp_path), lambda c: c["quantization_config"].update(routed_experts_quant_method="nvfp4"))
     with pytest.raises(BadInput, match="quant_method='fp8'.*or routed_experts_quant_method mxfp4"):
         convert(src, str(tmp_path / "dst"), Options())
 
@@ -151,7 +131,7 @@ def test_mtp_layer_experts_are_in_the_inventory(tmp_path):
 
 
 def test_a_limit_list_of_the_wrong_type_is_refused(done, tmp_path):
-    src = _edited(done[0], str(tmp_path), lambda c: c.update(expert_swiglu_limit_list=[0, "7.0", 10.0]))
+    src = with_config(done[0], str(tmp_path), lambda c: c.update(expert_swiglu_limit_list=[0, "7.0", 10.0]))
     with pytest.raises(BadInput, match="expert_swiglu_limit_list is .*expected a list of finite numbers"):
         convert(src, str(tmp_path / "dst"), Options())
 

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import mimo_v2_fixture as mimo
-from conftest import all_tensors, ct_int4_values, ct_mxfp4_values, read_json, tensor_bytes, write_json
+from conftest import (
+    all_tensors, assert_verified_and_on_triton, converted_model, ct_int4_values, ct_mxfp4_values,
+    read_json, tensor_bytes, with_config)
 from converter import serving
 from converter.errors import BadInput
 from converter.formats.dialect import _matches
@@ -25,11 +27,7 @@ from converter.verify import verify
 
 @pytest.fixture(scope="module")
 def done(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mimo")
-    src, dst = str(root / "src"), str(root / "dst")
-    mimo.write(src)
-    convert(src, dst, Options())
-    return src, dst
+    return converted_model(tmp_path_factory, "mimo", mimo.write)
 
 
 def test_experts_int4_fp8_linears_kept(done):
@@ -71,40 +69,24 @@ def test_config_names_experts_and_fp8_linears_only(done):
 
 
 def test_verify_and_serving(done):
-    src, dst = done
-    result = verify(dst, src)
-    assert result.ok, [p for c in result.checks for p in c.problems]
-    rocm = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", 1)}
-    assert all(r.ok for r in rocm.values()), [r.message for r in rocm.values() if not r.ok]
-    assert "TRITON (TritonWNA16Experts), silu" in rocm["kernel"].message
-    assert all(r.ok for r in serving.check_serving(dst, "sglang-rocm", 1))
-
-
-def _edited(src: str, root: str, edit) -> str:
-    import shutil
-    out = os.path.join(root, "edited")
-    shutil.copytree(src, out)
-    cfg = read_json(os.path.join(out, "config.json"))
-    edit(cfg)
-    write_json(os.path.join(out, "config.json"), cfg)
-    return out
+    assert_verified_and_on_triton(*done, servers=("sglang-rocm",))
 
 
 def test_fused_qkv_layout_is_refused(done, tmp_path):
-    src = _edited(done[0], str(tmp_path), lambda c: c.update(attention_projection_layout="fused_qkv"))
+    src = with_config(done[0], str(tmp_path), lambda c: c.update(attention_projection_layout="fused_qkv"))
     with pytest.raises(BadInput, match="fused_qkv.*mimo_v2.py 387-392"):
         convert(src, str(tmp_path / "dst"), Options())
 
 
 def test_an_fp8_config_without_mxfp4_experts_is_refused(done, tmp_path):
-    src = _edited(done[0], str(tmp_path), lambda c: c["quantization_config"].pop("store_dtype"))
+    src = with_config(done[0], str(tmp_path), lambda c: c["quantization_config"].pop("store_dtype"))
     with pytest.raises(BadInput, match="quant_method='fp8'"):
         convert(src, str(tmp_path / "dst"), Options())
 
 
 def test_a_config_without_moe_layer_freq_is_refused(done, tmp_path):
     """vLLM's MiMo builds no MoE layer without moe_layer_freq (mimo_v2.py is_moe_layer): the inventory says so."""
-    src = _edited(done[0], str(tmp_path), lambda c: c.pop("moe_layer_freq"))
+    src = with_config(done[0], str(tmp_path), lambda c: c.pop("moe_layer_freq"))
     with pytest.raises(BadInput, match="needs moe_layer_freq in config.json"):
         convert(src, str(tmp_path / "dst"), Options())
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import minimax_m3_fixture as mm3
-from conftest import all_tensors, ct_int4_values, ct_mxfp4_values, read_json, tensor_bytes
+from conftest import all_tensors, converted_model, ct_int4_values, ct_mxfp4_values, read_json, tensor_bytes
 from converter import serving
 from converter.formats.dialect import _matches
 from converter.pipeline import Options, convert
@@ -24,11 +24,7 @@ from converter.pipeline import Options, convert
 
 @pytest.fixture(scope="module")
 def done(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mm3")
-    src, dst = str(root / "src"), str(root / "dst")
-    mm3.write(src)
-    convert(src, dst, Options())
-    return src, dst
+    return converted_model(tmp_path_factory, "mm3", mm3.write)
 
 
 def test_experts_int4_everything_else_identical(done):
