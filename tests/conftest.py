@@ -309,3 +309,23 @@ def assert_verified_and_on_triton(src: str, dst: str, servers: tuple[str, ...] =
     assert "TRITON (TritonWNA16Experts), silu" in rocm["kernel"].message
     for server in servers:
         assert all(r.ok for r in serving.check_serving(dst, server, 1)), server
+
+
+def assert_missing_module_named(src: str, shard: str, module: str, suffixes: tuple[str, ...], expected: int,
+                                dst: str) -> None:
+    """Remove ``module``'s tensors (``module + suffix``) from ``shard`` of ``src``: converting to ``dst``
+    then fails in preflight, the profile's inventory naming the missing module."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from converter.errors import BadInput
+
+    path = os.path.join(src, shard)
+    tensors = load_file(path)
+    for suffix in suffixes:
+        del tensors[module + suffix]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(BadInput, match=rf"expected {expected} expert matrices, found {expected - 1}: "
+                                       rf"missing {re.escape(module)}"):
+        convert(src, dst, Options())

@@ -12,15 +12,14 @@ vLLM's serving model passes (silu, TRITON); the inventory catches a missing expe
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 import torch
 
 import ling_fixture as ling
 from conftest import (
-    all_tensors, assert_verified_and_on_triton, converted_model, ct_int4_values, ct_mxfp4_values,
-    read_json, tensor_bytes, with_config)
+    all_tensors, assert_missing_module_named, assert_verified_and_on_triton, converted_model,
+    ct_int4_values, ct_mxfp4_values, read_json, tensor_bytes, with_config)
 from converter.errors import BadInput
 from converter.formats.dialect import _matches
 from converter.pipeline import Options, convert
@@ -95,23 +94,16 @@ def test_another_routed_experts_method_is_refused(done, tmp_path):
 
 
 def test_an_incomplete_download_is_caught_by_the_inventory(tmp_path):
-    from safetensors.torch import load_file, save_file
     src = str(tmp_path / "src")
     ling.write(src)
-    path = os.path.join(src, "model.safetensors")
-    t = load_file(path)
-    gone = "model.layers.2.mlp.experts.3.down_proj"
-    del t[f"{gone}.weight"], t[f"{gone}.weight_scale_inv"]
-    save_file(t, path, metadata={"format": "pt"})
-    with pytest.raises(BadInput, match=rf"expected 24 expert matrices, found 23: missing {re.escape(gone)}"):
-        convert(src, str(tmp_path / "dst"), Options())
+    assert_missing_module_named(src, "model.safetensors", "model.layers.2.mlp.experts.3.down_proj",
+                                (".weight", ".weight_scale_inv"), 24, str(tmp_path / "dst"))
 
 
 def test_mtp_layer_experts_are_in_the_inventory(tmp_path):
     """Ling's MTP layers (num_nextn_predict_layers, after num_hidden_layers) are MoE with routed experts
     under the same names (bailing_moe_v3_mtp.py 111, 162-173): the inventory expects them, so they
     convert with the rest, and one missing is named."""
-    from safetensors.torch import load_file, save_file
     from converter import profiles
     src = str(tmp_path / "src")
     ling.write(src, mtp=True)
@@ -121,13 +113,8 @@ def test_mtp_layer_experts_are_in_the_inventory(tmp_path):
     dst = str(tmp_path / "dst")
     convert(src, dst, Options())
     assert "model.layers.3.mlp.experts.0.gate_proj.weight_packed" in all_tensors(dst)
-    path = os.path.join(src, "model.safetensors")
-    t = load_file(path)
-    gone = "model.layers.3.mlp.experts.1.up_proj"
-    del t[f"{gone}.weight"], t[f"{gone}.weight_scale_inv"]
-    save_file(t, path, metadata={"format": "pt"})
-    with pytest.raises(BadInput, match=rf"expected 36 expert matrices, found 35: missing {re.escape(gone)}"):
-        convert(src, str(tmp_path / "dst2"), Options())
+    assert_missing_module_named(src, "model.safetensors", "model.layers.3.mlp.experts.1.up_proj",
+                                (".weight", ".weight_scale_inv"), 36, str(tmp_path / "dst2"))
 
 
 def test_a_limit_list_of_the_wrong_type_is_refused(done, tmp_path):

@@ -10,13 +10,14 @@ SGLang 0.5.23's WNA16 MoE (silu only) is a failure, not a pass.
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 import torch
 
 import minimax_m3_fixture as mm3
-from conftest import all_tensors, converted_model, ct_int4_values, ct_mxfp4_values, read_json, tensor_bytes
+from conftest import (
+    all_tensors, assert_missing_module_named, converted_model, ct_int4_values, ct_mxfp4_values,
+    read_json, tensor_bytes)
 from converter import serving
 from converter.formats.dialect import _matches
 from converter.pipeline import Options, convert
@@ -130,19 +131,11 @@ def test_quark_w4a4_export_converts_weight_only_to_the_same_int4(done, tmp_path)
 
 def test_an_incomplete_download_is_caught_by_the_inventory(tmp_path):
     """The profile's inventory (moe_layer_freq x num_local_experts x w1/w2/w3) names a missing expert."""
-    from safetensors.torch import load_file, save_file
-
-    from converter.errors import BadInput
-
     src = str(tmp_path / "src")
     mm3.write(src)
-    path = os.path.join(src, "model.safetensors")
-    t = load_file(path)
-    gone = "language_model.model.layers.2.block_sparse_moe.experts.3.w2"
-    del t[f"{gone}.weight_packed"], t[f"{gone}.weight_scale"]
-    save_file(t, path, metadata={"format": "pt"})
-    with pytest.raises(BadInput, match=rf"expected 24 expert matrices, found 23: missing {re.escape(gone)}"):
-        convert(src, str(tmp_path / "dst"), Options())
+    assert_missing_module_named(src, "model.safetensors",
+                                "language_model.model.layers.2.block_sparse_moe.experts.3.w2",
+                                (".weight_packed", ".weight_scale"), 24, str(tmp_path / "dst"))
 
 
 # ---------------------------------------------------------------------------- the real writers (issue 26 §1)
