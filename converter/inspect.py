@@ -150,6 +150,7 @@ def inspect_path(path: str) -> dict[str, Any]:
             "version": manifest.get("version"), "source": source.get("path"),
             "profile": source.get("profile"), "scale_convention": quant.get("scale_convention"),
             "dropped": [d.get("where") for d in quant.get("dropped") or []] + list(source.get("dropped_tensors") or []),
+            "dequantized": [m for m in source.get("dequantized") or [] if isinstance(m, str)],
             "activation": manifest.get("activation"),
             "worst": (report or {}).get("worst"), "rel_rmse_mean": (report or {}).get("rel_rmse_mean"),
             "scale_rule": recorded_rule(manifest),
@@ -183,9 +184,19 @@ def _plan(path: str) -> dict[str, Any]:
         except BadInput:
             return {"error": str(e)}
     return {"bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out, "tensors_to_convert": plan.n_convert,
+            "modules_to_bf16": plan.dequantized,
             "source_tensors_converted": 2 * plan.n_convert, "activation": plan.activation,
             "modules_split_across_shards": plan.straddled, "scale_convention": plan.source.scale_note,
             "dropped": list(plan.source.dropped), "dropped_tensors": list(plan.dropped), "requires": requires}
+
+
+def _bf16_line(modules: list[str], how: str) -> list[str]:
+    """The MXFP4 modules that are not routed experts, kept exactly as bf16 (plan.Dequant)."""
+    if not modules:
+        return []
+    more = f", ... ({len(modules)} in all)" if len(modules) > 3 else ""
+    return [f"  bf16:         {len(modules)} MXFP4 module(s) that are not routed experts {how} as exact bf16: "
+            f"{', '.join(modules[:3])}{more}"]
 
 
 def _profile_line(p: dict[str, Any] | None) -> list[str]:
@@ -242,6 +253,7 @@ def format_info(info: dict[str, Any]) -> str:
                      f"({plan['source_tensors_converted']} source tensors); output {_gb(plan['bytes_out'])} "
                      f"from {_gb(plan['bytes_in'])}; {plan['modules_split_across_shards']} module(s) with "
                      "packed and scale tensors in different shards")
+        lines += _bf16_line(plan["modules_to_bf16"], "to be written")
         lines.append(f"  scales:       {plan['scale_convention']}")
         dropped = [d["where"] for d in plan["dropped"]] + plan["dropped_tensors"]
         if dropped:
@@ -256,6 +268,7 @@ def format_info(info: dict[str, Any]) -> str:
             lines.append(f"  scales:       {k3['scale_convention']} (source)")
         if k3.get("dropped"):
             lines.append(f"  dropped:      {', '.join(k3['dropped'])}")
+        lines += _bf16_line(k3.get("dequantized") or [], "written")
         if worst:
             lines.append(f"  error:        relative RMSE mean {k3.get('rel_rmse_mean'):.4f}, worst "
                          f"{worst.get('rel_rmse'):.4f} ({worst.get('tensor')})")

@@ -521,8 +521,9 @@ def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
         "workers": workers,
         "shards": len(chosen), "shards_done": len(done), "shards_todo": len(todo),
         "tensors_to_convert": sum(len(s.converts) for s in todo),
-        "tensors_copied": sum(len(s.items) - len(s.converts) for s in todo),
-        "modules_split_across_shards": sum(c.scale.path != c.packed.path for s in todo for c in s.converts),
+        "modules_to_bf16": sum(len(s.dequants) for s in todo),
+        "tensors_copied": sum(len(s.items) - len(s.pairs) for s in todo),
+        "modules_split_across_shards": sum(c.scale.path != c.packed.path for s in todo for c in s.pairs),
         "also_reads": {s.name: s.partners for s in todo if s.partners},
         "dropped": [d["where"] for d in plan.source.dropped] + plan.dropped,
         "bytes_in": sum(s.bytes_in for s in todo), "bytes_out": sum(s.bytes_out for s in todo),
@@ -642,7 +643,7 @@ def _makedirs(path: str) -> None:
 
 def _source_record(plan: Plan, run: dict) -> dict[str, Any]:
     return {"path": plan.src, "profile": {**plan.profile.record(), "reason": plan.profile_reason},
-            "quantization": plan.source.record(), "dropped_tensors": plan.dropped,
+            "quantization": plan.source.record(), "dropped_tensors": plan.dropped, "dequantized": plan.dequantized,
             "config": run["config"], "shards": run["shards"]}
 
 
@@ -770,7 +771,8 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
             staged.append(_staged_record(dst, REPORT, json_bytes({
                 "tool": "k3convert", "version": __version__, "source": plan.src, "status": status,
                 "profile": source["profile"], "quantization": source["quantization"],
-                "dropped_tensors": plan.dropped, "source_format": source_format, "target_format": TARGET_FORMAT,
+                "dropped_tensors": plan.dropped, "dequantized": plan.dequantized,
+                "source_format": source_format, "target_format": TARGET_FORMAT,
                 "activation": plan.activation, "max_rel_rmse": options.max_rel_rmse, "tensors": len(figs),
                 "worst": summary.worst, "rel_rmse_mean": mean(r.rel_rmse for r in figs),
                 **_rule_record(options.scale_rule, figs),

@@ -24,15 +24,16 @@ from .formats.safetensors_io import MAX_HEADER, Header, Layout, OutTensor, Tenso
 from .safepath import _within as within, regular_problem, source_file, source_roots
 from .quant.rules import DEFAULT as DEFAULT_RULE
 
+UNQUANTIZED = "weight"   # a module's plain weight: beside its MXFP4 pair, a second weight of one module
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _EXPERT = re.compile(r"experts\.(\d+)\.")
 
-__all__ = ["PACKED", "SCALE", "SHAPE", "Convert", "Copy", "ShardPlan", "Plan", "build_plan"]
+__all__ = ["PACKED", "SCALE", "SHAPE", "Convert", "Dequant", "Copy", "ShardPlan", "Plan", "build_plan"]
 
 
 @dataclass(frozen=True)
-class Convert:
-    """One MXFP4 linear ``module`` -> int4: its two source tensors and logical shape."""
+class MXFP4Module:
+    """One MXFP4 linear ``module`` of the source: its two tensors (any shards) and logical shape."""
 
     module: str
     packed: TensorInfo
@@ -48,13 +49,6 @@ class Convert:
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale.nbytes
 
-    def outputs(self) -> list[OutTensor]:
-        return [
-            OutTensor(f"{self.module}.{PACKED}", "I32", (self.rows, self.cols // 8)),
-            OutTensor(f"{self.module}.{SCALE}", "BF16", (self.rows, self.cols // 32)),
-            OutTensor(f"{self.module}.{SHAPE}", "I64", (2,)),
-        ]
-
     @property
     def layer(self) -> int | None:
         m = _LAYER.search(self.module)
@@ -64,6 +58,28 @@ class Convert:
     def expert(self) -> int | None:
         m = _EXPERT.search(self.module)
         return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Convert(MXFP4Module):
+    """A module requantized to int4: DST holds its packed words, bf16 scales and shape."""
+
+    def outputs(self) -> list[OutTensor]:
+        return [
+            OutTensor(f"{self.module}.{PACKED}", "I32", (self.rows, self.cols // 8)),
+            OutTensor(f"{self.module}.{SCALE}", "BF16", (self.rows, self.cols // 32)),
+            OutTensor(f"{self.module}.{SHAPE}", "I64", (2,)),
+        ]
+
+
+@dataclass(frozen=True)
+class Dequant(MXFP4Module):
+    """A module that is not a routed expert, under a profile that converts routed experts only:
+    DST holds its plain bf16 ``X.weight``, decoded exactly (every E2M1 value times a power of two
+    is a bf16 number), so it loads unquantized as the rest of the model does (docs/decisions.md)."""
+
+    def outputs(self) -> list[OutTensor]:
+        return [OutTensor(f"{self.module}.{UNQUANTIZED}", "BF16", (self.rows, self.cols))]
 
 
 @dataclass(frozen=True)
@@ -82,7 +98,7 @@ class Copy:
         return self.info.nbytes
 
 
-Item = Union[Convert, Copy]
+Item = Union[Convert, Dequant, Copy]
 
 
 @dataclass
@@ -100,13 +116,21 @@ class ShardPlan:
     def __post_init__(self) -> None:
         tensors = []
         for it in self.items:
-            tensors += it.outputs() if isinstance(it, Convert) else [
-                OutTensor(it.out_name, it.info.dtype, it.info.shape)]
+            tensors += [OutTensor(it.out_name, it.info.dtype, it.info.shape)] if isinstance(it, Copy) else it.outputs()
         self.layout = Layout(tensors, self.metadata)
 
     @property
     def converts(self) -> list[Convert]:
         return [it for it in self.items if isinstance(it, Convert)]
+
+    @property
+    def dequants(self) -> list[Dequant]:
+        return [it for it in self.items if isinstance(it, Dequant)]
+
+    @property
+    def pairs(self) -> list[MXFP4Module]:
+        """Every MXFP4 module whose packed tensor this shard holds (converted or dequantized)."""
+        return [it for it in self.items if isinstance(it, MXFP4Module)]
 
     @property
     def bytes_read(self) -> int:
@@ -121,7 +145,7 @@ class ShardPlan:
     def sources(self) -> list[str]:
         """Every source file it reads: its own shard first, then the others that hold a scale
         of one of its modules (split pairs), by name."""
-        others = {c.scale.path for c in self.converts} - {self.path}
+        others = {c.scale.path for c in self.pairs} - {self.path}
         return [self.path] + sorted(others, key=os.path.basename)
 
     @property
@@ -155,9 +179,14 @@ class Plan:
         return sum(len(s.converts) for s in self.shards)
 
     @property
+    def dequantized(self) -> list[str]:
+        """The MXFP4 modules DST holds as bf16 (``Dequant``), sorted."""
+        return sorted(d.module for s in self.shards for d in s.dequants)
+
+    @property
     def straddled(self) -> int:
-        """Converted modules whose two tensors sit in different shards."""
-        return sum(c.scale.path != c.packed.path for s in self.shards for c in s.converts)
+        """MXFP4 modules whose two tensors sit in different shards."""
+        return sum(c.scale.path != c.packed.path for s in self.shards for c in s.pairs)
 
     def weight_map(self) -> dict[str, str]:
         return {t.name: s.name for s in self.shards for t in s.layout.tensors}
@@ -166,7 +195,8 @@ class Plan:
         """The source config with its MXFP4 blocks replaced by int4 ones written with scale ``rule``."""
         converted = sorted(c.module for s in self.shards for c in s.converts)
         kept = sorted({it.out_name[: -len(".weight")] for s in self.shards for it in s.items
-                       if isinstance(it, Copy) and it.out_name.endswith(".weight") and len(it.info.shape) == 2})
+                       if isinstance(it, Copy) and it.out_name.endswith(".weight") and len(it.info.shape) == 2}
+                      | set(self.dequantized))
         return self.source.int4_config(self.config, converted, kept, rule)
 
 
@@ -238,9 +268,6 @@ def _pair(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problems: li
         if module not in converts and packed not in tensors and packed not in unread and source.selects(module):
             problems.append(f"file {t.path}, tensor {name}: no {source.packed_suffix} for it in any shard")
     return converts
-
-
-UNQUANTIZED = "weight"   # a module's plain weight: beside its MXFP4 pair, a second weight of one module
 
 
 def _collisions(tensors: dict[str, TensorInfo], converts: dict[str, Convert]) -> list[str]:
@@ -462,11 +489,11 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     source = source.seen(tensors)
     problems += source.tensor_problems(tensors)
     converts = _pair(tensors, source, problems, {n for n, shard in wm.items() if shard not in headers})
-    if prof.experts_only:
-        problems += [f"file {c.packed.path}, tensor {c.packed.name}: MXFP4, but profile {prof.name!r} converts "
-                     f"routed experts only (<layer>.experts.E.<proj>)" for m, c in sorted(converts.items())
-                     if not ckpt._matches(m, ckpt.EXPERT_TARGET)]
-    consumed = {t.name for c in converts.values() for t in (c.packed, c.scale)}
+    modules: dict[str, MXFP4Module] = dict(converts)
+    if prof.experts_only:  # the rest loads as bf16, exactly: shared experts, dense MLPs of Quark's templates
+        converts = {m: c for m, c in converts.items() if ckpt._matches(m, ckpt.EXPERT_TARGET)}
+        modules = {m: c if m in converts else Dequant(c.module, c.packed, c.scale, c.rows, c.cols) for m, c in modules.items()}
+    consumed = {t.name for c in modules.values() for t in (c.packed, c.scale)}
     dropped = sorted(n for n in tensors if n not in consumed and n.endswith(source.dropped_tensors))
     expected = profiles.expected_modules(prof, config)
     if expected is not None and not problems:  # what the other checks cannot see: an index that lacks modules
@@ -475,8 +502,8 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
         if extra := profiles.unexpected_modules(prof, config, expected, converts):   # and one that holds more
             problems.append(profiles.extras_problem(prof, expected, extra, lambda m: converts[m].packed))
 
-    by_packed: dict[str, list[Convert]] = {}
-    for c in converts.values():
+    by_packed: dict[str, list[MXFP4Module]] = {}
+    for c in modules.values():
         by_packed.setdefault(c.packed.path, []).append(c)
     skip = consumed | set(dropped)
     what = "routed experts" if all(c.expert is not None for c in converts.values()) else "MXFP4 linears"

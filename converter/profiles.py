@@ -61,7 +61,7 @@ class Profile:
     required_activation: tuple[str, ...] = ("hidden_act",)
     inventory: dict[str, Any] | None = None
     optional_activation: tuple[str, ...] = ()   # carried when the config states them (MiniMax swiglu_beta)
-    experts_only: bool = False                 # any MXFP4 module but a routed expert is refused, by name
+    experts_only: bool = False                 # any MXFP4 module but a routed expert is written as exact bf16
 
     def matches(self, config: dict) -> tuple[bool, str]:
         """Whether config.json is of this family, and the facts that say so."""

@@ -26,13 +26,14 @@ from .errors import BadInput, OutputError
 from .formats import mxfp4
 from .formats.checkpoint import PACKED, SCALE, SHAPE
 from .formats.safetensors_io import ShardWriter
-from .plan import Convert, ShardPlan
+from .plan import Convert, Dequant, ShardPlan
 from .safepath import open_regular
 from .quant.requant import STAT_FIELDS, Result
 from .quant.rules import OPTIMA, RULES
 from .validate import TensorFigures, figures, output_error, probe
 
 COPY_PIECE = 16 << 20
+DEQUANT_PIECE = 4 << 20  # bf16 bytes of a Dequant piece: its float32 decode takes a few times that
 Requantizer = Callable[..., Result]
 
 
@@ -86,6 +87,33 @@ class _CopyPiece:
     name: str = ""     # its name in DST (plan.Copy.out_name)
     data: np.ndarray | None = None
     buf: object = None  # pool buffer, given back once written
+
+
+@dataclass
+class _DequantPiece:
+    """Rows [lo, hi) of a ``Dequant`` module: read, decoded to bf16 by the reader, written at ``offset``."""
+
+    item: Dequant
+    lo: int
+    hi: int
+    data: np.ndarray | None = None
+    buf: object = None  # pool buffer (a copy piece's), given back once written
+
+    @property
+    def name(self) -> str:
+        return self.item.outputs()[0].name
+
+    @property
+    def offset(self) -> int:     # in the output tensor
+        return self.lo * self.item.cols * 2
+
+    @property
+    def size(self) -> int:       # bytes written
+        return (self.hi - self.lo) * self.item.cols * 2
+
+    @property
+    def nbytes(self) -> int:     # source bytes read
+        return (self.hi - self.lo) * (self.item.packed.nbytes + self.item.scale.nbytes) // self.item.rows
 
 
 @dataclass
@@ -143,6 +171,11 @@ def _units(sp: ShardPlan, batch_groups: int):
         if batch:
             yield _Batch(batch)
             batch, size = [], 0
+        if isinstance(it, Dequant):  # whole rows, each piece's bf16 within a copy buffer
+            step = max(1, DEQUANT_PIECE // (2 * it.cols))
+            for lo in range(0, it.rows, step):
+                yield _DequantPiece(it, lo, min(it.rows, lo + step))
+            continue
         info = it.info
         for off in range(0, max(info.nbytes, 1), COPY_PIECE):
             yield _CopyPiece(info, off, min(COPY_PIECE, info.nbytes - off), it.out_name)
@@ -203,8 +236,34 @@ class ShardConverter:
 
     # ------------------------------------------------------------------ stages
 
+    def _dequantize(self, fds: dict[str, int], piece: _DequantPiece) -> _DequantPiece:
+        """Read a piece's rows and decode them to bf16 (exact: ``mxfp4.to_bf16``), refusing the
+        scales the converter refuses and any group too large for bf16."""
+        d, rows = piece.item, piece.hi - piece.lo
+        half, groups = d.cols // 2, d.cols // 32
+        pn = np.empty((rows, half), dtype=np.uint8)
+        sn = np.empty((rows, groups), dtype=np.uint8)
+        _pread(fds[d.packed.path], pn, d.packed.start + piece.lo * half, d.packed.path, d.packed.name)
+        _pread(fds[d.scale.path], sn, d.scale.start + piece.lo * groups, d.scale.path, d.scale.name)
+        first = piece.lo * groups
+        bad = mxfp4.refused_scale(pn.reshape(-1, 16), sn.reshape(-1), 127 - self.scale_shift)
+        if bad is not None:
+            raise _scale_refusal([d], first + bad[0], bad[1])
+        if self.scale_shift:
+            np.add(sn, self.scale_shift, out=sn)
+        bits, over = mxfp4.to_bf16(pn, sn)
+        if over is not None:
+            raise _scale_refusal([d], first + over, f"its values exceed bf16's range (E8M0 byte "
+                                 f"{int(sn.reshape(-1)[over])}): not a weight that dequantizes")
+        out = piece.buf if piece.buf is not None and piece.size <= COPY_PIECE else np.empty(piece.size, np.uint8)
+        piece.data = out[:piece.size]
+        piece.data.view(np.uint16)[:] = bits.reshape(-1)
+        return piece
+
     def _read(self, fds: dict[str, int], unit, stages: Stages):
         with stages.time("read"):
+            if isinstance(unit, _DequantPiece):
+                return self._dequantize(fds, unit)
             if isinstance(unit, _CopyPiece):
                 unit.data = unit.buf[:unit.size]
                 info = unit.info
@@ -354,7 +413,7 @@ class ShardConverter:
             if unit is None:
                 return
             with stages.time("wait_write"):  # copy buffers come back from the writers
-                unit.buf = self._copies.get() if isinstance(unit, _CopyPiece) else \
+                unit.buf = self._copies.get() if isinstance(unit, (_CopyPiece, _DequantPiece)) else \
                     self._take(self._inputs, unit.groups, torch.uint8)
             reads.append(rd.submit(self._read, fds, unit, stages))
 
@@ -369,6 +428,10 @@ class ShardConverter:
             if isinstance(unit, _CopyPiece):
                 writes.append(wr.submit(self._write, writer, [(unit.name, unit.data)], unit.offset,
                                         self._copies, unit.buf, progress, unit.size, stages))
+                continue
+            if isinstance(unit, _DequantPiece):
+                writes.append(wr.submit(self._write, writer, [(unit.name, unit.data)], unit.offset,
+                                        self._copies, unit.buf, progress, unit.nbytes, stages))
                 continue
             with stages.time("wait_write"):
                 out_buf = self._take(self._outputs, unit.groups, torch.int16)

@@ -136,7 +136,7 @@ def partner_ranges(shard) -> dict[str, list[tuple[int, int]]]:
     tensors of its modules that sit there (``plan.ShardPlan``)."""
     root = shard.path[: len(shard.path) - len(shard.name)]  # SRC/ (a shard's name may hold a folder)
     out: dict[str, list[tuple[int, int]]] = {}
-    for c in shard.converts:
+    for c in shard.pairs:
         if c.scale.path != shard.path:
             out.setdefault(c.scale.path[len(root):], []).append((c.scale.start, c.scale.nbytes))
     return out

@@ -296,9 +296,9 @@ def with_config(src: str, root: str, edit) -> str:
     return out
 
 
-def assert_verified_and_on_triton(src: str, dst: str, servers: tuple[str, ...] = ()) -> None:
-    """verify --source passes; stock vLLM 0.33 on gfx942 takes the experts with TRITON and silu; and
-    each of ``servers`` passes too."""
+def assert_verified_and_on_triton(src: str, dst: str, servers: tuple[str, ...] = (), activation: str = "silu") -> None:
+    """verify --source passes; stock vLLM 0.33 on gfx942 takes the experts with TRITON and ``activation``;
+    and each of ``servers`` passes too."""
     from converter import serving
     from converter.verify import verify
 
@@ -306,7 +306,7 @@ def assert_verified_and_on_triton(src: str, dst: str, servers: tuple[str, ...] =
     assert result.ok, [p for c in result.checks for p in c.problems]
     rocm = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", 1)}
     assert all(r.ok for r in rocm.values()), [r.message for r in rocm.values() if not r.ok]
-    assert "TRITON (TritonWNA16Experts), silu" in rocm["kernel"].message
+    assert f"TRITON (TritonWNA16Experts), {activation};" in rocm["kernel"].message
     for server in servers:
         assert all(r.ok for r in serving.check_serving(dst, server, 1)), server
 

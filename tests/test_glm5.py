@@ -2,7 +2,7 @@
 layout: tests/glm5_fixture.py): the ``glm-5-quark`` profile reads it, the routed experts become int4
 selected under vLLM's lookup names, everything else is byte-identical, silu and ``swiglu_limit`` are
 stated in every shard, ``verify`` and vLLM's serving model pass. The template as amd-quark ships it
-leaves the shared experts MXFP4: that export is refused by name, not half-converted.
+leaves the shared experts MXFP4: they are written as exact bf16, as the rest of the model loads.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import re
 
 import pytest
+import torch
 
 import glm5_fixture as glm
 from conftest import (
@@ -73,12 +74,69 @@ def test_verify_and_serving(done):
     assert_verified_and_on_triton(*done)
 
 
-def test_the_templates_mxfp4_shared_experts_are_refused_by_name(tmp_path):
-    src = str(tmp_path / "src")
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    """The glm5_next template as amd-quark ships it: the shared experts are MXFP4 too."""
+    return converted_model(tmp_path_factory, "glm5-shipped", lambda d: glm.write(d, shared_experts_mxfp4=True))
+
+
+SHARED = [f"model.language_model.layers.{i}.mlp.shared_experts.{p}" for i in (1, 2)
+          for p in ("gate_proj", "up_proj", "down_proj")]
+
+
+def test_the_template_as_shipped_keeps_shared_experts_as_exact_bf16(shipped, done):
+    """Its MXFP4 shared experts are written as plain bf16 weights holding exactly the values
+    compressed-tensors' unpacker reads from the source bytes; the routed experts are the same int4 as
+    from the export that excluded them, and verify --source checks every bf16 value."""
+    src, dst = shipped
+    before, after, excluded = all_tensors(src), all_tensors(dst), all_tensors(done[1])
+    for m in SHARED:
+        assert before[f"{m}.weight"][1].dtype == torch.uint8 and f"{m}.weight_packed" not in after
+        got = after[f"{m}.weight"][1]
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.double(), ct_mxfp4_values(before[f"{m}.weight"][1], before[f"{m}.weight_scale"][1])), m
+    experts = [n for n in after if ".mlp.experts." in n]
+    assert experts and all(tensor_bytes(after[n][1]) == tensor_bytes(excluded[n][1]) for n in experts)
+    assert read_json(os.path.join(dst, "k3convert_manifest.json"))["source"]["dequantized"] == sorted(SHARED)
+    (group,) = read_json(os.path.join(dst, "config.json"))["quantization_config"]["config_groups"].values()
+    assert not any(_matches(m, t) for m in SHARED for t in group["targets"])
+    assert_verified_and_on_triton(src, dst)
+
+
+def test_verify_catches_a_changed_bf16_value_of_a_dequantized_module(shipped, tmp_path):
+    import shutil
+
+    from conftest import rewrite_shard
+    from converter.verify import verify
+    src, dst = shipped
+    bad = str(tmp_path / "dst")
+    shutil.copytree(dst, bad)
+    name = f"{SHARED[0]}.weight"
+    shard = os.path.join(bad, all_tensors(bad)[name][0])
+
+    def edit(t):
+        t[name] = t[name].clone()
+        t[name][3, 5] = t[name][3, 5] * 2 + 1
+    rewrite_shard(shard, edit)
+    (check,) = [c for c in verify(bad, src).checks if c.name == "passthrough"]
+    assert any(p.startswith(f"{name}: 1 value(s) differ from the MXFP4 values") for p in check.problems), check.problems
+
+
+def test_a_shared_expert_too_large_for_bf16_is_refused_by_name(tmp_path):
+    """E8M0 254 with code 6: 6 * 2^127 has no bf16 value; the group is named, nothing looks complete."""
+    from conftest import rewrite_shard
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     glm.write(src, shared_experts_mxfp4=True)
-    with pytest.raises(BadInput, match=r"mlp\.shared_experts\.\w+_proj\.weight: MXFP4, but profile 'glm-5-quark' "
-                                       r"converts routed experts only"):
-        convert(src, str(tmp_path / "dst"), Options())
+    name = SHARED[4]
+    shard = os.path.join(src, all_tensors(src)[f"{name}.weight"][0])
+
+    def edit(t):
+        t[f"{name}.weight_scale"][2, 1] = 254
+        t[f"{name}.weight"][2, 16] = 0x07   # group 1's first code: +6
+    rewrite_shard(shard, edit)
+    with pytest.raises(BadInput, match=rf"{re.escape(name)}\.weight_scale.*group 1 of row 2: its values exceed bf16's range"):
+        convert(src, dst, Options())
+    assert not os.path.exists(os.path.join(dst, "k3convert_manifest.json"))
 
 
 def test_an_incomplete_download_is_caught_by_the_inventory(tmp_path):
@@ -105,3 +163,43 @@ def test_vllms_load_time_refusals_for_glm5(done):
     assert any("765-768" in where for _, where in loaders.refusals(cfg, Topology(4)))
     cfg["text_config"]["hidden_act"] = "gelu"
     assert any("243-247" in where for _, where in loaders.refusals(cfg, Topology(1)))
+
+
+def test_bf16_pieces_of_any_size_write_the_same_shard(shipped, tmp_path, monkeypatch):
+    """A dequantized module is decoded and written in row pieces at their offsets: one row a piece
+    gives the same bytes as the whole module in one piece."""
+    from converter import shard
+    from converter.plan import build_plan
+    from converter.quant.cpu_kernel import requantize
+
+    src, dst = shipped
+    sp = next(s for s in build_plan(src).shards if s.dequants)
+    digests = []
+    for piece in (shard.DEQUANT_PIECE, 2 * max(d.cols for d in sp.dequants)):
+        monkeypatch.setattr(shard, "DEQUANT_PIECE", piece)
+        out = tmp_path / str(piece)
+        out.mkdir()
+        digests.append(shard.ShardConverter(requantize, "cpu", 1 << 12).convert(sp, str(out)).digest)
+        assert (out / sp.name).read_bytes() == open(os.path.join(dst, sp.name), "rb").read()
+    assert digests[0] == digests[1]
+
+
+def test_every_code_at_every_scale_decodes_to_its_exact_bf16():
+    """mxfp4.to_bf16 over the whole domain (16 codes x E8M0 0..254) against compressed-tensors'
+    unpacker: every value that bf16 can hold is exact, subnormals included, and the first group
+    that cannot (E8M0 253: 4 * 2^126) is the one reported."""
+    import numpy as np
+
+    from converter.formats import mxfp4
+
+    codes = np.arange(32) % 16
+    row = (codes[0::2] | codes[1::2] << 4).astype(np.uint8)           # one group: every code, twice
+    packed = np.tile(row, (255, 1))
+    scales = np.arange(255, dtype=np.uint8).reshape(255, 1)
+    bits, first = mxfp4.to_bf16(packed, scales)
+    got = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).double()
+    want = ct_mxfp4_values(torch.from_numpy(packed), torch.from_numpy(scales))
+    fits = want.abs() <= torch.finfo(torch.bfloat16).max
+    assert torch.equal(got[fits], want[fits]) and torch.isinf(got[~fits]).all()
+    assert first == 253 and fits[:253].all() and not fits[253].all()
+    assert (got[:2] != 0).sum() == 2 * 28 and got[0].abs().min() == 0 and got[0][got[0] != 0].abs().min() == 2.0 ** -128

@@ -85,14 +85,15 @@ def test_serving_vllm_rocm_passes_triton_sglang_fails(done):
     assert not sg["kernel"].ok and "asserts activation == 'silu'" in sg["kernel"].message
 
 
-def test_a_non_expert_mxfp4_linear_is_refused(tmp_path):
-    """The profile converts routed experts only: an MXFP4 attention linear is named, not converted."""
+def test_a_non_expert_mxfp4_linear_becomes_exact_bf16(done, tmp_path):
+    """The profile converts routed experts only: an MXFP4 attention linear (compressed-tensors names:
+    X.weight_packed) becomes a plain bf16 X.weight holding exactly its MXFP4 values, left out of the
+    int4 targets, and verify --source checks it; the experts are the same int4 as without it."""
     from safetensors.torch import load_file, save_file
 
-    from conftest import ct_mxfp4_encode, write_json
-    from converter.errors import BadInput
+    from conftest import assert_verified_and_on_triton, ct_mxfp4_encode, write_json
 
-    src = str(tmp_path / "src")
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     mm3.write(src)
     path = os.path.join(src, "model.safetensors")
     t = load_file(path)
@@ -102,8 +103,16 @@ def test_a_non_expert_mxfp4_linear_is_refused(tmp_path):
     cfg = read_json(os.path.join(src, "config.json"))
     cfg["quantization_config"]["ignore"] = [i for i in cfg["quantization_config"]["ignore"] if "self_attn" not in i]
     write_json(os.path.join(src, "config.json"), cfg)
-    with pytest.raises(BadInput, match=r"o_proj\.weight_packed: MXFP4, but profile 'minimax-m3' converts routed"):
-        convert(src, str(tmp_path / "dst"), Options())
+    convert(src, dst, Options())
+    ours, before, plain = all_tensors(dst), all_tensors(src), all_tensors(done[1])
+    assert f"{name}.weight_packed" not in ours and ours[f"{name}.weight"][1].dtype == torch.bfloat16
+    assert torch.equal(ours[f"{name}.weight"][1].double(),
+                       ct_mxfp4_values(before[f"{name}.weight_packed"][1], before[f"{name}.weight_scale"][1]))
+    assert set(ours) == set(plain)
+    assert all(tensor_bytes(ours[n][1]) == tensor_bytes(plain[n][1]) for n in plain if ".experts." in n)
+    group = read_json(os.path.join(dst, "config.json"))["quantization_config"]["config_groups"]["group_0"]
+    assert not any(_matches(name, x) for x in group["targets"])
+    assert_verified_and_on_triton(src, dst, activation="swigluoai_uninterleave")
 
 
 def test_quark_w4a4_export_converts_weight_only_to_the_same_int4(done, tmp_path):
@@ -179,17 +188,19 @@ def test_auto_round_bytes_are_ocp_whatever_compressed_tensors_version_wrote_the_
         assert tensor_bytes(ours[n][1]) == tensor_bytes(ct[n][1]), n
 
 
-def test_quark_minimax_m3_vl_template_export_is_refused_by_name(tmp_path):
+def test_quark_minimax_m3_vl_template_as_shipped(done, tmp_path):
     """amd-quark 0.13's minimax_m3_vl template (quantization/config/template.py) excludes the head,
-    vision tower, projector, router and attention only: its export holds MXFP4 shared experts and dense
-    MLPs, which this experts-only profile names instead of converting."""
+    vision tower, projector, router and attention only: its export holds MXFP4 shared experts (and
+    dense MLPs). Every such linear becomes an exact bf16 weight; the routed experts are the same int4
+    as the compressed-tensors build's; verify --source and the serving model pass."""
+    import fnmatch
+
     from safetensors.torch import load_file, save_file
 
-    from conftest import ct_mxfp4_encode, write_json
-    from converter.errors import BadInput
+    from conftest import assert_verified_and_on_triton, ct_mxfp4_encode, write_json
 
     quark = pytest.importorskip("quark.torch.quantization.config.template")
-    src = str(tmp_path / "src")
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     cfg = quark.LLMTemplate.get("minimax_m3_vl").get_config(scheme="mxfp4")
     mm3.write_quark(src, cfg.to_dict())
     config = read_json(os.path.join(src, "config.json"))
@@ -197,8 +208,18 @@ def test_quark_minimax_m3_vl_template_export_is_refused_by_name(tmp_path):
     write_json(os.path.join(src, "config.json"), config)
     path = os.path.join(src, "model.safetensors")
     t = load_file(path)
-    shared = "language_model.model.layers.1.block_sparse_moe.shared_experts.down_proj"
-    t[f"{shared}.weight"], t[f"{shared}.weight_scale"] = ct_mxfp4_encode(t.pop(f"{shared}.weight").float())
+    linears = sorted(n[: -len(".weight")] for n, x in t.items() if n.endswith("_proj.weight") and x.dtype == torch.bfloat16
+                     and not any(fnmatch.fnmatch(n[: -len(".weight")], p) for p in cfg.exclude))
+    assert linears and all(".shared_experts." in m or ".mlp." in m for m in linears), linears
+    for m in linears:
+        t[f"{m}.weight"], t[f"{m}.weight_scale"] = ct_mxfp4_encode(t[f"{m}.weight"].float())
     save_file(t, path, metadata={"format": "pt"})
-    with pytest.raises(BadInput, match=rf"{shared}\.weight: MXFP4, but profile 'minimax-m3-quark' converts routed"):
-        convert(src, str(tmp_path / "dst"), Options(drop_activation_quant=True))
+    convert(src, dst, Options(drop_activation_quant=True))
+    ours, before, ct = all_tensors(dst), all_tensors(src), all_tensors(done[1])
+    for m in linears:
+        assert ours[f"{m}.weight"][1].dtype == torch.bfloat16, m
+        assert torch.equal(ours[f"{m}.weight"][1].double(),
+                           ct_mxfp4_values(before[f"{m}.weight"][1], before[f"{m}.weight_scale"][1])), m
+    assert all(tensor_bytes(ours[n][1]) == tensor_bytes(ct[n][1]) for n in ct if ".experts." in n)
+    assert read_json(os.path.join(dst, "k3convert_manifest.json"))["source"]["dequantized"] == linears
+    assert_verified_and_on_triton(src, dst, activation="swigluoai_uninterleave")

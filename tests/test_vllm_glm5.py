@@ -1,5 +1,6 @@
 """vLLM's own GLM-5.3-Flash class (``models/glm5next``: ``Glm5NextForConditionalGeneration``), built on
-the CPU from our converted Quark export's config by ``tests/vllm_scripts/moe_model_quant_methods.py``:
+the CPU from our converted Quark export's config (the glm5_next template as amd-quark ships it: MXFP4
+shared experts, which we write as exact bf16) by ``tests/vllm_scripts/moe_model_quant_methods.py``:
 the routed experts get ``CompressedTensorsWNA16MoEMethod`` and ask the int4 backend oracle for silu
 with the text config's swiglu_limit 10.0 (FusedMoE's swiglu_limit, model.py 277, 325; the WNA16 method
 hands it to the kernel config as gemm1_clamp_limit, compressed_tensors_moe_wna16.py 497-509; TRITON
@@ -23,7 +24,7 @@ LOOKUP = re.compile(r"^language_model\.model\.layers\.[12]\.mlp\.experts\.0\.(ga
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory) -> dict:
-    return model_methods(tmp_path_factory, "glm5", glm.write)[0]
+    return model_methods(tmp_path_factory, "glm5", lambda d: glm.write(d, shared_experts_mxfp4=True))[0]
 
 
 def test_experts_int4_asking_for_silu_with_the_limit(case):
@@ -39,7 +40,9 @@ def test_experts_int4_asking_for_silu_with_the_limit(case):
 
 def test_nothing_else_quantized(case):
     others = {n: m["method"] for n, m in case["modules"].items() if m["module"] != "RoutedExperts"}
-    assert any(n.startswith("visual.") for n in others) and any("shared_experts" in n for n in others)
+    assert any(n.startswith("visual.") for n in others)
+    shared = {n: m for n, m in others.items() if "shared_experts" in n}
+    assert shared and set(shared.values()) <= UNQUANTIZED, shared   # the template's MXFP4 shared experts: bf16
     assert any("in_proj_qkvbfg_a" in n for n in others) and any("kv_b_proj" in n for n in others)
     quantized = {n: m for n, m in others.items() if m not in UNQUANTIZED and not m.endswith("KVCacheMethod")}
     assert not quantized, quantized

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..checks import Check, VerifyResult
 from .dst import Dst, load
@@ -20,6 +21,7 @@ class Context:
     serving: tuple | None = None
     loader_matcher: bool = False           # compressed-tensors' is_match re-decides the config's selection
     rows: dict[str, dict] = field(default_factory=dict)   # figure table rows by tensor (figures -> re-decode)
+    plan: Any = None                       # the conversion plan recomputed from SRC (source files -> passthrough)
     started: dict[str, Check] = field(default_factory=dict)  # checks loading already found problems for
 
     def check(self, name: str) -> Check:

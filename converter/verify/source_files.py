@@ -81,7 +81,7 @@ def run(ctx: Context) -> list[Check]:
     opts = d.manifest.get("options") or {}
     plan = build_plan(src, profile_argument(opts.get("profile")),  # the profile the run recorded (BadInput: exit 2)
                       bool(opts.get("drop_activation_quant")))
-    want = expected(plan, scale_rule(d))
+    ctx.plan, want = plan, expected(plan, scale_rule(d))
     have = set(files)
     for name in sorted(want.names - have):
         c.fail(f"{name}: SRC gives it, DST lacks it")
