@@ -129,11 +129,14 @@ def model_card(dst: str, base: str | None = None, repo_id: str | None = None) ->
     activation, serving_act = activation_section(act)
     source_card = (f"\nThe source model's own card is kept beside this one as `{README_SOURCE}`.\n"
                    if os.path.exists(os.path.join(dst, README_SOURCE)) else "")
+    bf16 = [m for m in (manifest.get("source") or {}).get("dequantized") or [] if isinstance(m, str)]
+    others = (f"The source's {len(bf16)} other MXFP4 linear(s) (e.g. `{bf16[0]}`) are plain bf16 weights "
+              "holding exactly their MXFP4 values; everything else" if bf16 else "Everything else")
     body = f"""# {name.split('/')[-1]} — int4 (group 32) routed experts
 
 An int4 version of **{name}**: the routed-expert weights, published as MXFP4, requantized to
 int4 with one bf16 scale per 32 weights, in the compressed-tensors `pack-quantized` format that
-vLLM and SGLang load directly. Everything else is byte-identical to the source.
+vLLM and SGLang load directly. {others} is byte-identical to the source.
 {source_card}
 ## Quantization
 
@@ -143,7 +146,8 @@ vLLM and SGLang load directly. Everything else is byte-identical to the source.
   significant first), `weight_scale` bf16 `[out, in/32]`, `weight_shape` int64 `[out, in]`.
 - `quantization_config`: `quant_method: compressed-tensors`, `format: pack-quantized`, stated at {where}
   (every block that described MXFP4 was replaced, top-level and nested; the `ignore` list is kept).
-- Attention, shared experts, router, embeddings, norms, vision tower: unchanged from the source.
+- Attention, shared experts, router, embeddings, norms, vision tower: unchanged from the source{
+    ' (MXFP4 ones decoded to bf16, exactly)' if bf16 else ''}.
 - Size: {_size(size)} in {len(manifest.get('shards') or {})} shard(s).
 
 {activation}

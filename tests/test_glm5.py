@@ -101,6 +101,8 @@ def test_the_template_as_shipped_keeps_shared_experts_as_exact_bf16(shipped, don
     (group,) = read_json(os.path.join(dst, "config.json"))["quantization_config"]["config_groups"].values()
     assert not any(_matches(m, t) for m in SHARED for t in group["targets"])
     assert_verified_and_on_triton(src, dst)
+    from converter.hub import model_card   # the card says so; the excluding export's says nothing was decoded
+    assert "6 other MXFP4 linear(s)" in model_card(dst) and "Everything else is byte-identical" in model_card(done[1])
 
 
 def test_verify_catches_a_changed_bf16_value_of_a_dequantized_module(shipped, tmp_path):
