@@ -16,7 +16,7 @@ import json
 import os
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from .checks import Check
@@ -24,6 +24,7 @@ from .errors import BadInput
 from .formats import checkpoint as ckpt
 from .formats.dialect import is_fp8_block_group
 from .formats.safetensors_io import TensorInfo, read_header
+from . import fp8_tp
 from .loaders import refusals as loader_refusals
 from .plan import PACKED, SCALE
 from .topology import WHERE as SPLIT_WHERE
@@ -280,6 +281,8 @@ class _Context:
     experts: "Experts"
     fixed: dict[str, list[Problem]]     # the rules that do not depend on the topology
     server: str
+    fp8: dict[str, tuple[int, int]] = field(default_factory=dict)   # FP8 block linears: module -> [out, in]
+    block: tuple[int, int] | None = None                             # their block_structure
 
     @property
     def family(self) -> str:
@@ -307,7 +310,42 @@ def _context(config: dict | None, tensors: Mapping[str, TensorInfo], server: str
                          *_size_problems(sizes, config),
                          *(("names", p) for p in lookup_problems(config, sizes, SERVER_INFO[server].family))]:
         fixed[rid].append((problem, ""))
-    return _Context(config, mats, sizes, experts_of(mats, sizes, config), fixed, server)
+    return _Context(config, mats, sizes, experts_of(mats, sizes, config), fixed, server, *_fp8_linears(config, tensors))
+
+
+def _fp8_linears(config: dict | None, tensors: Mapping[str, TensorInfo]
+                 ) -> tuple[dict[str, tuple[int, int]], tuple[int, int] | None]:
+    """The FP8 block group's linears (fp8-mxfp4 outputs: formats/fp8_mxfp4.py) with their weights'
+    [out, in] from the headers, and the group's block_structure."""
+    shapes: dict[str, tuple[int, int]] = {}
+    block = None
+    for _, b in ckpt.quant_blocks(config or {}):
+        for g in (b.get("config_groups") or {}).values() if isinstance(b.get("config_groups"), dict) else ():
+            if not is_fp8_block_group(g):
+                continue
+            bs = g["weights"].get("block_structure")
+            if isinstance(bs, list) and len(bs) == 2 and all(type(x) is int and x > 0 for x in bs):
+                block = (bs[0], bs[1])
+            for t in g.get("targets") or []:
+                w = tensors.get(f"{t}.weight") if isinstance(t, str) else None
+                if w is not None and len(w.shape) == 2:
+                    shapes[t] = (w.shape[0], w.shape[1])
+    return shapes, block
+
+
+def _fp8_refusals(ctx: "_Context", topo: Topology) -> list[Problem]:
+    """vLLM's compressed-tensors FP8 block scheme refuses per-rank sizes that are not whole blocks
+    (converter/fp8_tp.py); for Ling's shared experts, say the FP8 source was padded instead."""
+    found = fp8_tp.refusals(ctx.config, ctx.fp8, ctx.block, topo)
+    if not found:
+        return []
+    layer, why, where = found[0]
+    more = f" (and {len(found) - 1} more FP8 linears)" if len(found) > 1 else ""
+    pad = fp8_tp.ling_padded(ctx.config, topo.tp, ctx.block) if ".shared_experts." in layer + "." else None
+    source = (f"; the FP8 source loads here: vLLM pads its shared experts' intermediate {pad[0]} to {pad[1]} "
+              f"({fp8_tp.LING_PAD})") if pad else ""
+    detail = "; ".join(f"{lay}: {w} ({wh})" for lay, w, wh in found)
+    return [(f"{layer}: {why} at TP {topo.tp}{more}: vLLM's compressed-tensors FP8 scheme refuses it", detail + source)]
 
 
 def evaluate(config: dict | None, tensors: Mapping[str, TensorInfo], server: str,
@@ -325,7 +363,7 @@ def _topology_problems(ctx: _Context, topo: Topology) -> tuple[dict[str, list[Pr
     if verdict.problem:
         found["kernel"].append((verdict.problem, verdict.detail))
     if ctx.family == "vllm":
-        found["loader"] += loader_refusals(ctx.config, topo)
+        found["loader"] += loader_refusals(ctx.config, topo) + _fp8_refusals(ctx, topo)
     return found, verdict
 
 

@@ -11,11 +11,16 @@ Needs K3CONVERT_VLLM_PYTHON (skips without it, fails under K3CONVERT_REQUIRE_VLL
 """
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 
 import ling_fixture as ling
+from conftest import read_json
+from converter.pipeline import Options, convert
 from test_vllm_mimo_v2 import FP8_INPUT, FP8_WEIGHT
-from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods
+from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods, vllm_python
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +63,45 @@ def test_the_rest_unquantized(built):
     selected = sorted(n for n, ok in case["lookups"].items() if ok and ".experts." in n)
     assert selected == [f"model.layers.{i}.mlp.experts.0.{p}" for i in (1, 2) for p in ("down_proj", "gate_proj",
                                                                                          "up_proj")], selected
+
+
+FP8_TP_SCRIPT = os.path.join(os.path.dirname(__file__), "vllm_scripts", "fp8_block_tp.py")
+FUSED = {"gate_proj+up_proj": "gate_up_proj", "q_proj+k_proj+v_proj": "qkv_proj",
+         "q_proj+k_proj+v_proj+b_proj": "qkvb_proj", "q_a_proj+kv_a_proj_with_mqa": "fused_qkv_a_proj"}
+
+
+def vllm_names(layer: str) -> str:
+    """converter/fp8_tp.py's layer (checkpoint names, fused shards joined by +) as vLLM names it."""
+    parent, _, name = layer.rpartition(".")
+    return f"{parent.replace('.attention', '.self_attn')}.{FUSED.get(name, name)}"
+
+
+@pytest.mark.parametrize("shared", ["1x128", "2x128"])
+def test_fp8_block_refusals_are_vllms_own_at_each_tp(shared, tmp_path):
+    """vLLM's own BailingMoeV3ForCausalLM, built from our output at faked TP 1, 2 and 4
+    (tests/vllm_scripts/fp8_block_tp.py), refuses exactly the FP8 block linears converter/fp8_tp.py
+    names, with vLLM's validate_fp8_block_shape run as released: the shared-expert MLP at TP 2 for one
+    shared expert of 128, nothing at TP 2 for two, and at TP 4 the MLA kv_b_proj, the dense MLP and
+    the shared experts."""
+    from converter import fp8_tp, serving
+    from converter.topology import Topology
+    from test_ling import SHARED_1x128, SHARED_2x128
+    python = vllm_python()
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    ling.write(src, text={"1x128": SHARED_1x128, "2x128": SHARED_2x128}[shared])
+    convert(src, dst, Options())
+    out = str(tmp_path / "tp.json")
+    run = subprocess.run([python, FP8_TP_SCRIPT, "ling", out, dst, "1", "2", "4"], capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = read_json(out)["results"]
+    config, tensors = serving.load(dst)
+    ctx = serving._context(config, tensors, "vllm-rocm")
+    assert ctx.block == (128, 128) and len(ctx.fp8) == 3 * 4 + 3 + 2 * 3
+    for tp in (1, 2, 4):
+        case = got[str(tp)]
+        assert "error" not in case, (tp, case)
+        ours = {vllm_names(layer) for layer, _, _ in fp8_tp.refusals(config, ctx.fp8, ctx.block, Topology(tp))}
+        assert ours == set(case["refused"]), (tp, sorted(ours), case["refused"])
+    assert bool(got["2"]["refused"]) == (shared == "1x128")
+    assert "model.layers.1.mlp.shared_experts.gate_up_proj" in got["4"]["refused"]
