@@ -76,32 +76,42 @@ def vllm_names(layer: str) -> str:
     return f"{parent.replace('.attention', '.self_attn')}.{FUSED.get(name, name)}"
 
 
-@pytest.mark.parametrize("shared", ["1x128", "2x128"])
-def test_fp8_block_refusals_are_vllms_own_at_each_tp(shared, tmp_path):
-    """vLLM's own BailingMoeV3ForCausalLM, built from our output at faked TP 1, 2 and 4
-    (tests/vllm_scripts/fp8_block_tp.py), refuses exactly the FP8 block linears converter/fp8_tp.py
-    names, with vLLM's validate_fp8_block_shape run as released: the shared-expert MLP at TP 2 for one
-    shared expert of 128, nothing at TP 2 for two, and at TP 4 the MLA kv_b_proj, the dense MLP and
-    the shared experts."""
+def assert_fp8_refusals_are_vllms(family: str, dst: str, tps: tuple[int, ...], tmp_path) -> dict:
+    """vLLM's own model class of ``family``, built from DST at each faked TP size
+    (tests/vllm_scripts/fp8_block_tp.py, validate_fp8_block_shape run as released), refuses exactly
+    the FP8 block linears converter/fp8_tp.py names; returns vLLM's refusals per TP."""
     from converter import fp8_tp, serving
     from converter.topology import Topology
-    from test_ling import SHARED_1x128, SHARED_2x128
-    python = vllm_python()
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
-    ling.write(src, text={"1x128": SHARED_1x128, "2x128": SHARED_2x128}[shared])
-    convert(src, dst, Options())
-    out = str(tmp_path / "tp.json")
-    run = subprocess.run([python, FP8_TP_SCRIPT, "ling", out, dst, "1", "2", "4"], capture_output=True, text=True,
-                         timeout=900)
+    out = str(tmp_path / f"{family}-tp.json")
+    run = subprocess.run([vllm_python(), FP8_TP_SCRIPT, family, out, dst, *map(str, tps)], capture_output=True,
+                         text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     got = read_json(out)["results"]
     config, tensors = serving.load(dst)
     ctx = serving._context(config, tensors, "vllm-rocm")
-    assert ctx.block == (128, 128) and len(ctx.fp8) == 3 * 4 + 3 + 2 * 3
-    for tp in (1, 2, 4):
+    assert ctx.block == (128, 128) and ctx.fp8
+    for tp in tps:
         case = got[str(tp)]
         assert "error" not in case, (tp, case)
         ours = {vllm_names(layer) for layer, _, _ in fp8_tp.refusals(config, ctx.fp8, ctx.block, Topology(tp))}
         assert ours == set(case["refused"]), (tp, sorted(ours), case["refused"])
-    assert bool(got["2"]["refused"]) == (shared == "1x128")
-    assert "model.layers.1.mlp.shared_experts.gate_up_proj" in got["4"]["refused"]
+        loader = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", tp)}["loader"]
+        assert loader.ok == (not case["refused"]), (tp, loader.message)
+    return {tp: got[str(tp)]["refused"] for tp in tps}
+
+
+@pytest.mark.parametrize("shared", ["1x128", "2x128"])
+def test_fp8_block_refusals_are_vllms_own_at_each_tp(shared, tmp_path):
+    """vLLM's own BailingMoeV3ForCausalLM, built from our output at faked TP 1, 2 and 4, refuses
+    exactly the FP8 block linears converter/fp8_tp.py names: the shared-expert MLP at TP 2 for one
+    shared expert of 128, nothing at TP 2 for two, and at TP 4 the MLA kv_b_proj, the dense MLP and
+    the shared experts."""
+    from test_ling import SHARED_1x128, SHARED_2x128
+    vllm_python()
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    ling.write(src, text={"1x128": SHARED_1x128, "2x128": SHARED_2x128}[shared])
+    convert(src, dst, Options())
+    refused = assert_fp8_refusals_are_vllms("ling", dst, (1, 2, 4), tmp_path)
+    assert not refused[1] and bool(refused[2]) == (shared == "1x128")
+    assert "model.layers.1.mlp.shared_experts.gate_up_proj" in refused[4]
+    assert "model.layers.0.self_attn.kv_b_proj" in refused[4] and "model.layers.0.mlp.gate_up_proj" in refused[4]
