@@ -205,7 +205,8 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "for SiTU experts: on gfx942 serve with k3convert's vLLM plugin (vllm-rocm-plugin: hidden and "
          "per-rank intermediate sizes multiples of 128), on CUDA with vLLM (vllm-cuda)"),
     Rule("loader", "the model's vLLM loader accepts the config at this topology",
-         _both("the model's classes, per model type (converter/loaders.py LOADERS cites each line)",
+         _both("the model's classes, per model type (converter/loaders.py LOADERS cites each line); the FP8 "
+               "block linears' per-rank sizes (converter/fp8_tp.py LINEARS: fp8_utils.py validate_fp8_block_shape)",
                "not modelled: SGLang's model loaders were not read"),
          "choose a TP size the model's loader accepts (the TP sizes that pass are listed)"),
 )}
