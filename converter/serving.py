@@ -799,6 +799,10 @@ def _kernel(ctx: _Context, topo: Topology) -> Verdict:
         hidden_ok = all(h % 128 == 0 for _, h in sizes.values())
         inter_ok = all((kimi_fused(i, topo.tp, kimi_min) // topo.moe_tp) % GROUP == 0 for i, _ in sizes.values())
         verdict = _said(_vllm_oracle(srv, vname, mem, topo, int4, marlin=hidden_ok and inter_ok), said)
+        if verdict.problem is None and name == "silu" and (limits := clamp_limits(config)[2]):
+            verdict = Verdict(verdict.summary.replace(", takes silu;", f", takes silu with the clamp ({limits});")
+                              .replace(", silu;", f", silu with the clamp ({limits});"),
+                              detail=f"{verdict.detail}; {VLLM_CUDA_CLAMP}")
         padded = kimi_padding(sizes, topo.tp, kimi_min)
         if verdict.problem is None and padded:
             layer, (per, pad) = padded[0]
@@ -818,7 +822,73 @@ def _kernel(ctx: _Context, topo: Topology) -> Verdict:
                        f"{srv.release} on {srv.target} gives the experts {srv.method}, whose apply_weights asserts "
                        f"activation == 'silu' (compressed_tensors_wNa16_moe.py {line}): the first forward with "
                        f"hidden_act {name!r} raises AssertionError")
-    return Verdict(f"{srv.method}, int4 Triton/Marlin kernel, silu: {int4}")
+    return _sglang_clamp(server, config, f"{srv.method}, int4 Triton/Marlin kernel, silu", int4)
+
+
+# vLLM 0.33.0 on CUDA: every default WNA16 backend applies FusedMoE's swiglu_limit; FlashInfer's is opt-in and drops it
+VLLM_CUDA_CLAMP = ("the clamp reaches the kernel: CompressedTensorsWNA16MoEMethod passes layer.swiglu_limit as "
+                   "gemm1_clamp_limit (compressed_tensors_moe_wna16.py 495, 506), ApplyMoEActivationConfig carries it "
+                   "(fused_moe/activation.py 176-197, modular_kernel.py 525) and MARLIN/TRITON apply silu(min(gate, "
+                   "limit)) * clamp(up) (activation.py 350-356, experts/triton_moe.py 219-225), Humming too "
+                   "(quantization/utils/humming/activation.py 99-101); only VLLM_USE_FLASHINFER_MOE_INT4=1 on SM100 "
+                   "(envs.py 1685, flashinfer_mxint4_moe.py 24-31) picks FlashInfer TRT-LLM MxInt4, called with "
+                   "gemm1_clamp_limit=None (flashinfer_mxint4_moe.py 252): leave it unset")
+# Models whose SGLang 0.5.23 MoE passes the experts a SwiGLU clamp: the config field, the
+# MoeRunnerConfig field it becomes, and where (sglang 0.5.23 paths).
+SGLANG_CLAMP = {
+    "bailing_hybrid": ("expert_swiglu_limit_list", "gemm1_clamp_limit",
+                       "models/bailing_moe_v3.py 436-439, 469-478, 568-579 (BailingMoE: each layer's limit as "
+                       "gemm1_clamp_limit)"),
+    "glm5_next": ("swiglu_limit", "swiglu_limit",
+                  "models/glm5_next.py 102, 748-756 (Glm5NextMoE is DeepseekV2MoE), models/deepseek_v2.py 753-767 "
+                  "(swiglu_limit)"),
+}
+SGLANG_CLAMP["bailing_moe_v3"] = SGLANG_CLAMP["bailing_hybrid"]
+SGLANG_CLAMP["glm5_next_text"] = SGLANG_CLAMP["glm5_next"]
+S_FUSED = "sglang 0.5.23 layers/moe/moe_runner/triton_utils/fused_moe.py"
+
+
+def clamp_limits(config: dict | None) -> tuple[tuple[str, str, str] | None, list[float], str]:
+    """(SGLANG_CLAMP's entry, the distinct non-zero limits, "field 7, 10") of a clamped model."""
+    hit = next((SGLANG_CLAMP[t] for t in sorted(_model_types(config)) if t in SGLANG_CLAMP), None)
+    if hit is None:
+        return None, [], ""
+    value = ckpt.activation_fields(config or {}, (hit[0],)).get(hit[0], (None,))[0]
+    values = value if isinstance(value, list) else [value]
+    limits = sorted({float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v})
+    return hit, limits, f"{hit[0]} {', '.join(f'{v:g}' for v in limits)}"
+
+
+def _sglang_clamp(server: str, config: dict | None, summary: str, int4: str) -> Verdict:
+    """What SGLang's int4 MoE paths do with the model's SwiGLU clamp: the Triton path (ROCm; CUDA
+    SM100 by default) applies gemm1_clamp_limit (fused_moe.py 759-762) and takes swiglu_limit only as
+    DeepSeek-V4's 10 with a CUDA/XPU-only kernel when no expert is filtered (763-782); Marlin (CUDA)
+    applies swiglu_limit only (compressed_tensors_wNa16_moe.py 493, fused_marlin_moe.py 356-361)."""
+    hit, limits, said = clamp_limits(config)
+    if not limits:
+        return Verdict(f"{summary}: {int4}")
+    _, field, where = hit
+    src = f"the model passes it as {field} (sglang 0.5.23 {where})"
+    if field == "gemm1_clamp_limit":
+        if server == "sglang-rocm":
+            return Verdict(f"{summary} with the clamp ({said}; silu(gate) clamped after silu, vLLM clamps the gate "
+                           f"before it): {int4}", detail=f"{src}; {S_FUSED} 759-762, 411-417")
+        return Verdict(f"{summary}: Marlin drops the clamp",
+                       f"{said} is dropped by Marlin (wrong numerics); SGLang's Triton path (SM100 default, "
+                       f"--moe-runner-backend triton) applies it",
+                       f"{src}; CompressedTensorsWNA16MoE.apply_weights passes fused_marlin_moe clamp_limit="
+                       f"moe_runner_config.swiglu_limit only (sglang 0.5.23 compressed_tensors_wNa16_moe.py 493), "
+                       f"None here, so fused_marlin_moe.py 356-361 is skipped and plain silu_and_mul runs (362-363)")
+    if server == "sglang-rocm":
+        why, lines = ((f"asserts swiglu_limit == 10 ({said})", "768") if limits != [10.0] else
+                      ("clamps swiglu_limit with a CUDA/XPU-only kernel when no expert is filtered (no EP)",
+                       "777-782: assert _is_cuda or _is_xpu"))
+        return Verdict(f"{summary}: AssertionError at the first forward",
+                       f"SGLang's ROCm Triton MoE {why}: AssertionError at the first forward",
+                       f"{src}; {S_FUSED} 763-782 ({lines})")
+    note = "" if limits == [10.0] else f"; on SM100 the default Triton path asserts swiglu_limit == 10 ({S_FUSED} 768)"
+    return Verdict(f"{summary} with the clamp ({said}, Marlin: fused_marlin_moe.py 356-361){note}: {int4}",
+                   detail=src)
 
 
 # Models whose vLLM MoE passes FusedMoE an activation other than config hidden_act, and the
