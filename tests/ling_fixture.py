@@ -82,6 +82,10 @@ def write(dst: str, seed: int = 0, mtp: bool = False, text: dict | None = None) 
         out[f"{a}.kv_a_layernorm.weight"] = torch.ones(t["kv_lora_rank"], dtype=torch.bfloat16)
         fp8(f"{a}.kv_b_proj", heads * (t["qk_nope_head_dim"] + t["v_head_dim"]), t["kv_lora_rank"])
         fp8(f"{a}.dense", h, heads * t["v_head_dim"])
+        gate = {"head_wise": heads, "element_wise": heads * t["v_head_dim"]}.get(
+            t.get("gated_attention_proj_granularity_type"))      # MLA output gate, 533-570
+        if gate:
+            fp8(f"{a}.g_proj", gate, h)
         if layer < t["first_k_dense_replace"]:
             d = t["intermediate_size"]
             fp8(f"{p}.mlp.gate_proj", d, h)

@@ -115,3 +115,16 @@ def test_fp8_block_refusals_are_vllms_own_at_each_tp(shared, tmp_path):
     assert not refused[1] and bool(refused[2]) == (shared == "1x128")
     assert "model.layers.1.mlp.shared_experts.gate_up_proj" in refused[4]
     assert "model.layers.0.self_attn.kv_b_proj" in refused[4] and "model.layers.0.mlp.gate_up_proj" in refused[4]
+
+
+def test_a_head_wise_fp8_g_proj_is_refused_at_every_tp_above_1(tmp_path):
+    """Ling's head-wise MLA gate g_proj has one output per head. vLLM 0.33.0 replicates it at TP > 1
+    when it is block FP8 under Fp8Config (bailing_moe_v3.py 541-552, 568); under our
+    compressed-tensors output it is a ColumnParallelLinear of heads / TP outputs per rank, never whole
+    128-blocks: vLLM's own classes refuse it at TP 2, and converter/fp8_tp.py says so."""
+    from test_ling import SHARED_2x128
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    ling.write(src, text=dict(SHARED_2x128, gated_attention_proj_granularity_type="head_wise"))
+    convert(src, dst, Options())
+    refused = assert_fp8_refusals_are_vllms("ling", dst, (1, 2), tmp_path)
+    assert not refused[1] and sorted(refused[2]) == [f"model.layers.{i}.self_attn.g_proj" for i in range(3)]
