@@ -101,12 +101,13 @@ KV_HEADS: dict[str, Callable[[Mapping[str, Any], int], int | None]] = {"mimo_v2_
 
 
 def _layer(module: str) -> int | None:
+    """The decoder layer index in ``...layers.N....`` (None outside the layers)."""
     parts = module.split(".")
     i = next((i for i, p in enumerate(parts[:-1]) if p == "layers"), None)
     return int(parts[i + 1]) if i is not None and parts[i + 1].isdigit() else None
 
 
-def _partitions(spec: Linear, kind: str, shards: list[tuple[str, int]], tp: int, kv: int | None
+def _partitions(kind: str, shards: list[tuple[str, int]], tp: int, kv: int | None
                 ) -> tuple[list[int], bool] | str:
     """(per-rank output partitions, whether vLLM counts the layer as TP-split), or a divide() refusal."""
     if kind == "qkv":
@@ -163,7 +164,7 @@ def refusals(config: Mapping[str, Any] | None, shapes: Mapping[str, tuple[int, i
         if kind == "replicated":
             continue
         kv = kv_of(text, _layer(module) or 0) if kind == "qkv" and kv_of else None
-        got = _partitions(spec, kind, [(s, shapes[f"{parent}.{s}"][0]) for s in group], tp, kv)
+        got = _partitions(kind, [(s, shapes[f"{parent}.{s}"][0]) for s in group], tp, kv)
         if isinstance(got, str):
             out.append((layer, got, DIVIDE))
             continue

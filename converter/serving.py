@@ -829,8 +829,8 @@ def _kernel(ctx: _Context, topo: Topology) -> Verdict:
 VLLM_CUDA_CLAMP = ("the clamp reaches the kernel: CompressedTensorsWNA16MoEMethod passes layer.swiglu_limit as "
                    "gemm1_clamp_limit (compressed_tensors_moe_wna16.py 495, 506), ApplyMoEActivationConfig carries it "
                    "(fused_moe/activation.py 176-197, modular_kernel.py 525) and MARLIN/TRITON apply silu(min(gate, "
-                   "limit)) * clamp(up) (MARLIN: experts/marlin_moe.py 783-785, modular_kernel.py 933-951, activation.py "
-                   "350-356; TRITON: experts/triton_moe.py 219-225), Humming too "
+                   "limit)) * clamp(up) (MARLIN: experts/marlin_moe.py 783-785, modular_kernel.py 933-951, "
+                   "activation.py 350-356; TRITON: experts/triton_moe.py 219-225), Humming too "
                    "(quantization/utils/humming/activation.py 99-101); only VLLM_USE_FLASHINFER_MOE_INT4=1 on SM100 "
                    "(envs.py 1685, flashinfer_mxint4_moe.py 24-31) picks FlashInfer TRT-LLM MxInt4, called with "
                    "gemm1_clamp_limit=None (flashinfer_mxint4_moe.py 252): leave it unset")
