@@ -2,7 +2,7 @@
 
 vLLM's compressed-tensors FP8 scheme validates every block-FP8 linear's per-rank sizes while the
 layer is built (``compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py`` 103-114 calls
-``quantization/utils/fp8_utils.py`` ``validate_fp8_block_shape`` 1298-1344): at TP > 1 a row-parallel
+``quantization/utils/fp8_utils.py`` ``validate_fp8_block_shape`` 1296-1344): at TP > 1 a row-parallel
 layer's per-rank input and a column-parallel layer's per-rank outputs must be whole blocks, and a
 merged layer (gate_up, qkv) must have whole blocks in every output but the last even at TP 1. Nothing
 waives it under compressed-tensors: ``linear.py`` 562-581 (``_maybe_allow_fp8_block_shape_mismatch``)
@@ -29,7 +29,7 @@ V = "vllm 0.33.0 "
 LING = V + "model_executor/models/bailing_moe_v3.py"
 MIMO = V + "model_executor/models/mimo_v2.py"
 VALIDATE = (V + "quantization/compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py 103-114 -> "
-            "quantization/utils/fp8_utils.py validate_fp8_block_shape 1298-1344 (no mismatch allowance under "
+            "quantization/utils/fp8_utils.py validate_fp8_block_shape 1296-1344 (no mismatch allowance under "
             "compressed-tensors: layers/linear.py 562-581 reads Fp8Config's weight_block_size)")
 DIVIDE = V + "layers/linear.py 497-503 (column), 1708 (row): divide() asserts"
 LING_PAD = (f"{LING} 299-320, 1186-1198, 1547-1552: under the source's Fp8Config vLLM pads the shared "

@@ -150,7 +150,7 @@ def shared_tp(tmp_path_factory):
 def test_fp8_shared_experts_split_below_a_block_are_refused_at_that_tp(shared_tp):
     """Under the source's Fp8Config vLLM pads Ling's shared-expert MLP to TP * 128 (bailing_moe_v3.py
     299-320, 1186-1198, 1547-1552); under our compressed-tensors output it does not, and the FP8 block
-    scheme refuses a per-rank size that is not whole 128-blocks (fp8_utils.py 1298-1344). verify
+    scheme refuses a per-rank size that is not whole 128-blocks (fp8_utils.py 1296-1344). verify
     --serving says so at TP 2, passes TP 1, and lists only TP 1 (tests/test_vllm_ling.py checks the
     refusals against vLLM's own classes)."""
     from converter import serving
@@ -164,7 +164,7 @@ def test_fp8_shared_experts_split_below_a_block_are_refused_at_that_tp(shared_tp
         assert "model.layers.2.mlp.shared_experts.gate_proj+up_proj: per-rank output gate_proj 64, up_proj 64 not " \
                "whole 128-blocks" in loader.detail
         assert "vLLM pads its shared experts' intermediate 128 to 256" in loader.detail
-        assert "fp8_utils.py validate_fp8_block_shape 1298-1344" in loader.detail
+        assert "fp8_utils.py validate_fp8_block_shape 1296-1344" in loader.detail
     config, tensors = serving.load(dst)
     check = serving.serving_check(config, tensors, "vllm-rocm", 2)
     assert "TP sizes that pass: 1" in check.notes, check.notes

@@ -69,7 +69,7 @@ def test_the_rest_unquantized(built):
 def test_qkv_split_below_a_block_is_refused_as_vllm_does(tmp_path, monkeypatch):
     """MiMo's q/k/v are one QKVParallelLinear (mimo_v2.py 284-293). Under the source's Fp8Config a
     merged layer whose per-rank outputs are not whole blocks is let through (linear.py 562-581);
-    under our compressed-tensors output it is refused (fp8_utils.py 1298-1344): with head_dim 192,
+    under our compressed-tensors output it is refused (fp8_utils.py 1296-1344): with head_dim 192,
     TP 2 gives 192-row q and k partitions. vLLM's own classes at faked TP 1 and 2 refuse exactly what
     converter/fp8_tp.py names (the qkv_proj of every layer at TP 2, nothing at TP 1)."""
     from test_vllm_ling import assert_fp8_refusals_are_vllms
