@@ -16,7 +16,7 @@ import json
 import os
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from .checks import Check
@@ -24,6 +24,7 @@ from .errors import BadInput
 from .formats import checkpoint as ckpt
 from .formats.dialect import is_fp8_block_group
 from .formats.safetensors_io import TensorInfo, read_header
+from . import fp8_tp
 from .loaders import refusals as loader_refusals
 from .plan import PACKED, SCALE
 from .topology import WHERE as SPLIT_WHERE
@@ -204,7 +205,8 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "for SiTU experts: on gfx942 serve with k3convert's vLLM plugin (vllm-rocm-plugin: hidden and "
          "per-rank intermediate sizes multiples of 128), on CUDA with vLLM (vllm-cuda)"),
     Rule("loader", "the model's vLLM loader accepts the config at this topology",
-         _both("the model's classes, per model type (converter/loaders.py LOADERS cites each line)",
+         _both("the model's classes, per model type (converter/loaders.py LOADERS cites each line); the FP8 "
+               "block linears' per-rank sizes (converter/fp8_tp.py LINEARS: fp8_utils.py validate_fp8_block_shape)",
                "not modelled: SGLang's model loaders were not read"),
          "choose a TP size the model's loader accepts (the TP sizes that pass are listed)"),
 )}
@@ -280,6 +282,8 @@ class _Context:
     experts: "Experts"
     fixed: dict[str, list[Problem]]     # the rules that do not depend on the topology
     server: str
+    fp8: dict[str, tuple[int, int]] = field(default_factory=dict)   # FP8 block linears: module -> [out, in]
+    block: tuple[int, int] | None = None                             # their block_structure
 
     @property
     def family(self) -> str:
@@ -307,7 +311,42 @@ def _context(config: dict | None, tensors: Mapping[str, TensorInfo], server: str
                          *_size_problems(sizes, config),
                          *(("names", p) for p in lookup_problems(config, sizes, SERVER_INFO[server].family))]:
         fixed[rid].append((problem, ""))
-    return _Context(config, mats, sizes, experts_of(mats, sizes, config), fixed, server)
+    return _Context(config, mats, sizes, experts_of(mats, sizes, config), fixed, server, *_fp8_linears(config, tensors))
+
+
+def _fp8_linears(config: dict | None, tensors: Mapping[str, TensorInfo]
+                 ) -> tuple[dict[str, tuple[int, int]], tuple[int, int] | None]:
+    """The FP8 block group's linears (fp8-mxfp4 outputs: formats/fp8_mxfp4.py) with their weights'
+    [out, in] from the headers, and the group's block_structure."""
+    shapes: dict[str, tuple[int, int]] = {}
+    block = None
+    for _, b in ckpt.quant_blocks(config or {}):
+        for g in (b.get("config_groups") or {}).values() if isinstance(b.get("config_groups"), dict) else ():
+            if not is_fp8_block_group(g):
+                continue
+            bs = g["weights"].get("block_structure")
+            if isinstance(bs, list) and len(bs) == 2 and all(type(x) is int and x > 0 for x in bs):
+                block = (bs[0], bs[1])
+            for t in g.get("targets") or []:
+                w = tensors.get(f"{t}.weight") if isinstance(t, str) else None
+                if w is not None and len(w.shape) == 2:
+                    shapes[t] = (w.shape[0], w.shape[1])
+    return shapes, block
+
+
+def _fp8_refusals(ctx: "_Context", topo: Topology) -> list[Problem]:
+    """vLLM's compressed-tensors FP8 block scheme refuses per-rank sizes that are not whole blocks
+    (converter/fp8_tp.py); for Ling's shared experts, say the FP8 source was padded instead."""
+    found = fp8_tp.refusals(ctx.config, ctx.fp8, ctx.block, topo)
+    if not found:
+        return []
+    layer, why, where = found[0]
+    more = f" (and {len(found) - 1} more FP8 linears)" if len(found) > 1 else ""
+    pad = fp8_tp.ling_padded(ctx.config, topo.tp, ctx.block) if ".shared_experts." in layer + "." else None
+    source = (f"; the FP8 source loads here: vLLM pads its shared experts' intermediate {pad[0]} to {pad[1]} "
+              f"({fp8_tp.LING_PAD})") if pad else ""
+    detail = "; ".join(f"{lay}: {w} ({wh})" for lay, w, wh in found)
+    return [(f"{layer}: {why} at TP {topo.tp}{more}: vLLM's compressed-tensors FP8 scheme refuses it", detail + source)]
 
 
 def evaluate(config: dict | None, tensors: Mapping[str, TensorInfo], server: str,
@@ -325,7 +364,7 @@ def _topology_problems(ctx: _Context, topo: Topology) -> tuple[dict[str, list[Pr
     if verdict.problem:
         found["kernel"].append((verdict.problem, verdict.detail))
     if ctx.family == "vllm":
-        found["loader"] += loader_refusals(ctx.config, topo)
+        found["loader"] += loader_refusals(ctx.config, topo) + _fp8_refusals(ctx, topo)
     return found, verdict
 
 
@@ -760,6 +799,10 @@ def _kernel(ctx: _Context, topo: Topology) -> Verdict:
         hidden_ok = all(h % 128 == 0 for _, h in sizes.values())
         inter_ok = all((kimi_fused(i, topo.tp, kimi_min) // topo.moe_tp) % GROUP == 0 for i, _ in sizes.values())
         verdict = _said(_vllm_oracle(srv, vname, mem, topo, int4, marlin=hidden_ok and inter_ok), said)
+        if verdict.problem is None and name == "silu" and (limits := clamp_limits(config)[2]):
+            verdict = Verdict(verdict.summary.replace(", takes silu;", f", takes silu with the clamp ({limits});")
+                              .replace(", silu;", f", silu with the clamp ({limits});"),
+                              detail=f"{verdict.detail}; {VLLM_CUDA_CLAMP}")
         padded = kimi_padding(sizes, topo.tp, kimi_min)
         if verdict.problem is None and padded:
             layer, (per, pad) = padded[0]
@@ -779,7 +822,74 @@ def _kernel(ctx: _Context, topo: Topology) -> Verdict:
                        f"{srv.release} on {srv.target} gives the experts {srv.method}, whose apply_weights asserts "
                        f"activation == 'silu' (compressed_tensors_wNa16_moe.py {line}): the first forward with "
                        f"hidden_act {name!r} raises AssertionError")
-    return Verdict(f"{srv.method}, int4 Triton/Marlin kernel, silu: {int4}")
+    return _sglang_clamp(server, config, f"{srv.method}, int4 Triton/Marlin kernel, silu", int4)
+
+
+# vLLM 0.33.0 on CUDA: every default WNA16 backend applies FusedMoE's swiglu_limit; FlashInfer's is opt-in and drops it
+VLLM_CUDA_CLAMP = ("the clamp reaches the kernel: CompressedTensorsWNA16MoEMethod passes layer.swiglu_limit as "
+                   "gemm1_clamp_limit (compressed_tensors_moe_wna16.py 495, 506), ApplyMoEActivationConfig carries it "
+                   "(fused_moe/activation.py 176-197, modular_kernel.py 525) and MARLIN/TRITON apply silu(min(gate, "
+                   "limit)) * clamp(up) (MARLIN: experts/marlin_moe.py 783-785, modular_kernel.py 933-951, "
+                   "activation.py 350-356; TRITON: experts/triton_moe.py 219-225), Humming too "
+                   "(quantization/utils/humming/activation.py 99-101); only VLLM_USE_FLASHINFER_MOE_INT4=1 on SM100 "
+                   "(envs.py 1685, flashinfer_mxint4_moe.py 24-31) picks FlashInfer TRT-LLM MxInt4, called with "
+                   "gemm1_clamp_limit=None (flashinfer_mxint4_moe.py 252): leave it unset")
+# Models whose SGLang 0.5.23 MoE passes the experts a SwiGLU clamp: the config field, the
+# MoeRunnerConfig field it becomes, and where (sglang 0.5.23 paths).
+SGLANG_CLAMP = {
+    "bailing_hybrid": ("expert_swiglu_limit_list", "gemm1_clamp_limit",
+                       "models/bailing_moe_v3.py 436-439, 469-478, 568-579 (BailingMoE: each layer's limit as "
+                       "gemm1_clamp_limit)"),
+    "glm5_next": ("swiglu_limit", "swiglu_limit",
+                  "models/glm5_next.py 102, 748-756 (Glm5NextMoE is DeepseekV2MoE), models/deepseek_v2.py 753-767 "
+                  "(swiglu_limit)"),
+}
+SGLANG_CLAMP["bailing_moe_v3"] = SGLANG_CLAMP["bailing_hybrid"]
+SGLANG_CLAMP["glm5_next_text"] = SGLANG_CLAMP["glm5_next"]
+S_FUSED = "sglang 0.5.23 layers/moe/moe_runner/triton_utils/fused_moe.py"
+
+
+def clamp_limits(config: dict | None) -> tuple[tuple[str, str, str] | None, list[float], str]:
+    """(SGLANG_CLAMP's entry, the distinct non-zero limits, "field 7, 10") of a clamped model."""
+    hit = next((SGLANG_CLAMP[t] for t in sorted(_model_types(config)) if t in SGLANG_CLAMP), None)
+    if hit is None:
+        return None, [], ""
+    value = ckpt.activation_fields(config or {}, (hit[0],)).get(hit[0], (None,))[0]
+    values = value if isinstance(value, list) else [value]
+    limits = sorted({float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v})
+    return hit, limits, f"{hit[0]} {', '.join(f'{v:g}' for v in limits)}"
+
+
+def _sglang_clamp(server: str, config: dict | None, summary: str, int4: str) -> Verdict:
+    """What SGLang's int4 MoE paths do with the model's SwiGLU clamp: the Triton path (ROCm; CUDA
+    SM100 by default) applies gemm1_clamp_limit (fused_moe.py 759-762) and takes swiglu_limit only as
+    DeepSeek-V4's 10 with a CUDA/XPU-only kernel when no expert is filtered (763-782); Marlin (CUDA)
+    applies swiglu_limit only (compressed_tensors_wNa16_moe.py 493, fused_marlin_moe.py 356-361)."""
+    hit, limits, said = clamp_limits(config)
+    if not limits:
+        return Verdict(f"{summary}: {int4}")
+    _, field, where = hit
+    src = f"the model passes it as {field} (sglang 0.5.23 {where})"
+    if field == "gemm1_clamp_limit":
+        if server == "sglang-rocm":
+            return Verdict(f"{summary} with the clamp ({said}; silu(gate) clamped after silu, vLLM clamps the gate "
+                           f"before it): {int4}", detail=f"{src}; {S_FUSED} 759-762, 411-417")
+        return Verdict(f"{summary}: Marlin drops the clamp",
+                       f"{said} is dropped by Marlin (wrong numerics); SGLang's Triton path (SM100 default, "
+                       f"--moe-runner-backend triton) applies it",
+                       f"{src}; CompressedTensorsWNA16MoE.apply_weights passes fused_marlin_moe clamp_limit="
+                       f"moe_runner_config.swiglu_limit only (sglang 0.5.23 compressed_tensors_wNa16_moe.py 493), "
+                       f"None here, so fused_marlin_moe.py 356-361 is skipped and plain silu_and_mul runs (362-363)")
+    if server == "sglang-rocm":
+        why, lines = ((f"asserts swiglu_limit == 10 ({said})", "768") if limits != [10.0] else
+                      ("clamps swiglu_limit with a CUDA/XPU-only kernel when no expert is filtered (no EP)",
+                       "777-782: assert _is_cuda or _is_xpu"))
+        return Verdict(f"{summary}: AssertionError at the first forward",
+                       f"SGLang's ROCm Triton MoE {why}: AssertionError at the first forward",
+                       f"{src}; {S_FUSED} 763-782 ({lines})")
+    note = "" if limits == [10.0] else f"; on SM100 the default Triton path asserts swiglu_limit == 10 ({S_FUSED} 768)"
+    return Verdict(f"{summary} with the clamp ({said}, Marlin: fused_marlin_moe.py 356-361){note}: {int4}",
+                   detail=src)
 
 
 # Models whose vLLM MoE passes FusedMoE an activation other than config hidden_act, and the

@@ -54,41 +54,47 @@ def fp8_ue8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def write(dst: str, seed: int = 0, mtp: bool = False) -> dict[str, torch.Tensor]:
+def write(dst: str, seed: int = 0, mtp: bool = False, text: dict | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint in ``dst``; returns the bf16 experts it packed, by module. ``mtp``: one MTP layer
     (``num_nextn_predict_layers`` 1) at ``model.layers.3``, a MoE layer as bailing_moe_v3_mtp.py builds it
-    (111, 162-173) with its own MXFP4 experts (the MTP's other tensors are left out: not read here)."""
+    (111, 162-173) with its own MXFP4 experts (the MTP's other tensors are left out: not read here).
+    ``text``: config fields to change (the tensors follow them)."""
+    t = {**TEXT, **(text or {})}
     torch.manual_seed(seed)
     os.makedirs(dst, exist_ok=True)
-    h, e, inter = TEXT["hidden_size"], TEXT["num_experts"], TEXT["moe_intermediate_size"]
-    out: dict[str, torch.Tensor] = {"model.word_embeddings.weight": heavy_tailed(TEXT["vocab_size"], h).bfloat16(),
+    h, e, inter = t["hidden_size"], t["num_experts"], t["moe_intermediate_size"]
+    out: dict[str, torch.Tensor] = {"model.word_embeddings.weight": heavy_tailed(t["vocab_size"], h).bfloat16(),
                                     "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-                                    "lm_head.weight": heavy_tailed(TEXT["vocab_size"], h).bfloat16()}
+                                    "lm_head.weight": heavy_tailed(t["vocab_size"], h).bfloat16()}
     experts = {}
 
     def fp8(module: str, rows: int, cols: int) -> None:
         out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = fp8_ue8m0(heavy_tailed(rows, cols))
 
-    heads = TEXT["num_attention_heads"]
-    for layer in range(TEXT["num_hidden_layers"] + (1 if mtp else 0)):
+    heads = t["num_attention_heads"]
+    for layer in range(t["num_hidden_layers"] + (1 if mtp else 0)):
         p = f"model.layers.{layer}"
         out[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         out[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         a = f"{p}.attention"
-        fp8(f"{a}.q_proj", heads * (TEXT["qk_nope_head_dim"] + TEXT["qk_rope_head_dim"]), h)
-        fp8(f"{a}.kv_a_proj_with_mqa", TEXT["kv_lora_rank"] + TEXT["qk_rope_head_dim"], h)
-        out[f"{a}.kv_a_layernorm.weight"] = torch.ones(TEXT["kv_lora_rank"], dtype=torch.bfloat16)
-        fp8(f"{a}.kv_b_proj", heads * (TEXT["qk_nope_head_dim"] + TEXT["v_head_dim"]), TEXT["kv_lora_rank"])
-        fp8(f"{a}.dense", h, heads * TEXT["v_head_dim"])
-        if layer < TEXT["first_k_dense_replace"]:
-            d = TEXT["intermediate_size"]
+        fp8(f"{a}.q_proj", heads * (t["qk_nope_head_dim"] + t["qk_rope_head_dim"]), h)
+        fp8(f"{a}.kv_a_proj_with_mqa", t["kv_lora_rank"] + t["qk_rope_head_dim"], h)
+        out[f"{a}.kv_a_layernorm.weight"] = torch.ones(t["kv_lora_rank"], dtype=torch.bfloat16)
+        fp8(f"{a}.kv_b_proj", heads * (t["qk_nope_head_dim"] + t["v_head_dim"]), t["kv_lora_rank"])
+        fp8(f"{a}.dense", h, heads * t["v_head_dim"])
+        gate = {"head_wise": heads, "element_wise": heads * t["v_head_dim"]}.get(
+            t.get("gated_attention_proj_granularity_type"))      # MLA output gate, 533-570
+        if gate:
+            fp8(f"{a}.g_proj", gate, h)
+        if layer < t["first_k_dense_replace"]:
+            d = t["intermediate_size"]
             fp8(f"{p}.mlp.gate_proj", d, h)
             fp8(f"{p}.mlp.up_proj", d, h)
             fp8(f"{p}.mlp.down_proj", h, d)
             continue
         out[f"{p}.mlp.gate.weight"] = heavy_tailed(e, h)                 # fp32 router (GateLinear params_dtype)
         out[f"{p}.mlp.gate.expert_bias"] = torch.zeros(e)
-        s = TEXT["moe_shared_expert_intermediate_size"]
+        s = t["moe_shared_expert_intermediate_size"] * t["num_shared_experts"]   # one MLP (1186-1198)
         fp8(f"{p}.mlp.shared_experts.gate_proj", s, h)
         fp8(f"{p}.mlp.shared_experts.up_proj", s, h)
         fp8(f"{p}.mlp.shared_experts.down_proj", h, s)
@@ -100,6 +106,6 @@ def write(dst: str, seed: int = 0, mtp: bool = False) -> dict[str, torch.Tensor]
                 out[f"{m}.weight"], out[f"{m}.weight_scale_inv"] = packed, scale.view(torch.float8_e8m0fnu)
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump({**TEXT, **({"num_nextn_predict_layers": 1} if mtp else {}), "quantization_config": dict(QUANT)},
+        json.dump({**t, **({"num_nextn_predict_layers": 1} if mtp else {}), "quantization_config": dict(QUANT)},
                   f, indent=2)
     return experts

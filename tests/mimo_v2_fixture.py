@@ -78,11 +78,10 @@ def write(dst: str, seed: int = 0, v26: bool = False, shards: int = 1) -> dict[s
         p = f"model.layers.{layer}"
         out[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         out[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        heads = TEXT["num_attention_heads"] * TEXT["head_dim"]
-        kv = TEXT["num_key_value_heads"] * TEXT["head_dim"]
-        for name, rows in (("q_proj", heads), ("k_proj", kv), ("v_proj", kv)):
+        n, kv, hd, vd = (TEXT[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "v_head_dim"))
+        for name, rows in (("q_proj", n * hd), ("k_proj", kv * hd), ("v_proj", kv * vd)):   # mimo_v2.py 284-301
             fp8(f"{p}.self_attn.{name}", rows, h)
-        fp8(f"{p}.self_attn.o_proj", h, heads)
+        fp8(f"{p}.self_attn.o_proj", h, n * vd)
         if v26 and TEXT["hybrid_layer_pattern"][layer]:
             out[f"{p}.self_attn.attention_sink_bias"] = torch.zeros(TEXT["swa_num_attention_heads"])
         if not moe:

@@ -132,3 +132,45 @@ def test_vllms_load_time_refusals_for_ling(done):
     assert loaders.refusals(cfg, Topology(2)) == []
     (problem, where), *_ = loaders.refusals(cfg, Topology(4))
     assert "num_attention_heads" in problem and "bailing_moe_v3.py 480" in where
+
+
+# 4 heads: the MLA linears are whole 128-blocks per rank at TP 2; one shared expert of 128: 64 per rank at TP 2;
+# routed experts of 128: whole int4 groups per rank up to TP 4
+SHARED_1x128 = dict(num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=128)
+SHARED_2x128 = dict(SHARED_1x128, num_shared_experts=2)
+
+
+@pytest.fixture(scope="module")
+def shared_tp(tmp_path_factory):
+    """Two outputs: a shared expert of 128 (split to 64 at TP 2) and two of 128 (256, 128 at TP 2)."""
+    return {name: converted_model(tmp_path_factory, f"ling-{name}", lambda src, t=text: ling.write(src, text=t))[1]
+            for name, text in (("1x128", SHARED_1x128), ("2x128", SHARED_2x128))}
+
+
+def test_fp8_shared_experts_split_below_a_block_are_refused_at_that_tp(shared_tp):
+    """Under the source's Fp8Config vLLM pads Ling's shared-expert MLP to TP * 128 (bailing_moe_v3.py
+    299-320, 1186-1198, 1547-1552); under our compressed-tensors output it does not, and the FP8 block
+    scheme refuses a per-rank size that is not whole 128-blocks (fp8_utils.py 1296-1344). verify
+    --serving says so at TP 2, passes TP 1, and lists only TP 1 (tests/test_vllm_ling.py checks the
+    refusals against vLLM's own classes)."""
+    from converter import serving
+    dst = shared_tp["1x128"]
+    assert all(r.ok for r in serving.check_serving(dst, "vllm-rocm", 1))
+    for server in ("vllm-rocm", "vllm-cuda", "vllm-rocm-plugin"):
+        loader = {r.rule: r for r in serving.check_serving(dst, server, 2)}["loader"]
+        assert not loader.ok, server
+        assert "model.layers.1.mlp.shared_experts.down_proj: per-rank input 128/2=64 is not whole 128-blocks at " \
+               "TP 2 (and 3 more FP8 linears)" in loader.message, loader.message
+        assert "model.layers.2.mlp.shared_experts.gate_proj+up_proj: per-rank output gate_proj 64, up_proj 64 not " \
+               "whole 128-blocks" in loader.detail
+        assert "vLLM pads its shared experts' intermediate 128 to 256" in loader.detail
+        assert "fp8_utils.py validate_fp8_block_shape 1296-1344" in loader.detail
+    config, tensors = serving.load(dst)
+    check = serving.serving_check(config, tensors, "vllm-rocm", 2)
+    assert "TP sizes that pass: 1" in check.notes, check.notes
+    assert {r.rule: r for r in serving.check_serving(shared_tp["2x128"], "vllm-rocm", 2)}["loader"].ok
+
+
+def test_sglang_is_not_given_vllms_fp8_rule(shared_tp):
+    from converter import serving
+    assert {r.rule: r for r in serving.check_serving(shared_tp["1x128"], "sglang-rocm", 2)}["loader"].ok

@@ -11,11 +11,16 @@ Needs K3CONVERT_VLLM_PYTHON (skips without it, fails under K3CONVERT_REQUIRE_VLL
 """
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 
 import ling_fixture as ling
+from conftest import read_json
+from converter.pipeline import Options, convert
 from test_vllm_mimo_v2 import FP8_INPUT, FP8_WEIGHT
-from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods
+from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods, vllm_python
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +63,68 @@ def test_the_rest_unquantized(built):
     selected = sorted(n for n, ok in case["lookups"].items() if ok and ".experts." in n)
     assert selected == [f"model.layers.{i}.mlp.experts.0.{p}" for i in (1, 2) for p in ("down_proj", "gate_proj",
                                                                                          "up_proj")], selected
+
+
+FP8_TP_SCRIPT = os.path.join(os.path.dirname(__file__), "vllm_scripts", "fp8_block_tp.py")
+FUSED = {"gate_proj+up_proj": "gate_up_proj", "q_proj+k_proj+v_proj": "qkv_proj",
+         "q_proj+k_proj+v_proj+b_proj": "qkvb_proj", "q_a_proj+kv_a_proj_with_mqa": "fused_qkv_a_proj"}
+
+
+def vllm_names(layer: str) -> str:
+    """converter/fp8_tp.py's layer (checkpoint names, fused shards joined by +) as vLLM names it."""
+    parent, _, name = layer.rpartition(".")
+    return f"{parent.replace('.attention', '.self_attn')}.{FUSED.get(name, name)}"
+
+
+def assert_fp8_refusals_are_vllms(family: str, dst: str, tps: tuple[int, ...], tmp_path) -> dict:
+    """vLLM's own model class of ``family``, built from DST at each faked TP size
+    (tests/vllm_scripts/fp8_block_tp.py, validate_fp8_block_shape run as released), refuses exactly
+    the FP8 block linears converter/fp8_tp.py names; returns vLLM's refusals per TP."""
+    from converter import fp8_tp, serving
+    from converter.topology import Topology
+    out = str(tmp_path / f"{family}-tp.json")
+    run = subprocess.run([vllm_python(), FP8_TP_SCRIPT, family, out, dst, *map(str, tps)], capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = read_json(out)["results"]
+    config, tensors = serving.load(dst)
+    ctx = serving._context(config, tensors, "vllm-rocm")
+    assert ctx.block == (128, 128) and ctx.fp8
+    for tp in tps:
+        case = got[str(tp)]
+        assert "error" not in case, (tp, case)
+        ours = {vllm_names(layer) for layer, _, _ in fp8_tp.refusals(config, ctx.fp8, ctx.block, Topology(tp))}
+        assert ours == set(case["refused"]), (tp, sorted(ours), case["refused"])
+        loader = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", tp)}["loader"]
+        assert loader.ok == (not case["refused"]), (tp, loader.message)
+    return {tp: got[str(tp)]["refused"] for tp in tps}
+
+
+@pytest.mark.parametrize("shared", ["1x128", "2x128"])
+def test_fp8_block_refusals_are_vllms_own_at_each_tp(shared, tmp_path):
+    """vLLM's own BailingMoeV3ForCausalLM, built from our output at faked TP 1, 2 and 4, refuses
+    exactly the FP8 block linears converter/fp8_tp.py names: the shared-expert MLP at TP 2 for one
+    shared expert of 128, nothing at TP 2 for two, and at TP 4 the MLA kv_b_proj, the dense MLP and
+    the shared experts."""
+    from test_ling import SHARED_1x128, SHARED_2x128
+    vllm_python()
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    ling.write(src, text={"1x128": SHARED_1x128, "2x128": SHARED_2x128}[shared])
+    convert(src, dst, Options())
+    refused = assert_fp8_refusals_are_vllms("ling", dst, (1, 2, 4), tmp_path)
+    assert not refused[1] and bool(refused[2]) == (shared == "1x128")
+    assert "model.layers.1.mlp.shared_experts.gate_up_proj" in refused[4]
+    assert "model.layers.0.self_attn.kv_b_proj" in refused[4] and "model.layers.0.mlp.gate_up_proj" in refused[4]
+
+
+def test_a_head_wise_fp8_g_proj_is_refused_at_every_tp_above_1(tmp_path):
+    """Ling's head-wise MLA gate g_proj has one output per head. vLLM 0.33.0 replicates it at TP > 1
+    when it is block FP8 under Fp8Config (bailing_moe_v3.py 541-552, 568); under our
+    compressed-tensors output it is a ColumnParallelLinear of heads / TP outputs per rank, never whole
+    128-blocks: vLLM's own classes refuse it at TP 2, and converter/fp8_tp.py says so."""
+    from test_ling import SHARED_2x128
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    ling.write(src, text=dict(SHARED_2x128, gated_attention_proj_granularity_type="head_wise"))
+    convert(src, dst, Options())
+    refused = assert_fp8_refusals_are_vllms("ling", dst, (1, 2), tmp_path)
+    assert not refused[1] and sorted(refused[2]) == [f"model.layers.{i}.self_attn.g_proj" for i in range(3)]

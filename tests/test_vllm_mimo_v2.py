@@ -15,6 +15,7 @@ import pytest
 
 import mimo_v2_fixture as mimo
 from converter import serving
+from converter.pipeline import Options, convert
 from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods
 
 FP8_WEIGHT = "QuantKey(f8e4m3fn,scale(f32,static,GroupShape(row=128, col=128)),symmetric)"
@@ -63,3 +64,19 @@ def test_the_rest_unquantized(built):
     rest = {n: m["method"] for n, m in case["modules"].items()
             if m["module"] in ("GateLinear", "VocabParallelEmbedding", "ParallelLMHead")}
     assert len(rest) == 4 and set(rest.values()) <= UNQUANTIZED, rest
+
+
+def test_qkv_split_below_a_block_is_refused_as_vllm_does(tmp_path, monkeypatch):
+    """MiMo's q/k/v are one QKVParallelLinear (mimo_v2.py 284-293). Under the source's Fp8Config a
+    merged layer whose per-rank outputs are not whole blocks is let through (linear.py 562-581);
+    under our compressed-tensors output it is refused (fp8_utils.py 1296-1344): with head_dim 192,
+    TP 2 gives 192-row q and k partitions. vLLM's own classes at faked TP 1 and 2 refuse exactly what
+    converter/fp8_tp.py names (the qkv_proj of every layer at TP 2, nothing at TP 1)."""
+    from test_vllm_ling import assert_fp8_refusals_are_vllms
+    monkeypatch.setitem(mimo.TEXT, "head_dim", 192)
+    monkeypatch.setitem(mimo.TEXT, "swa_head_dim", 192)
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    mimo.write(src)
+    convert(src, dst, Options())
+    refused = assert_fp8_refusals_are_vllms("mimo_v2", dst, (1, 2), tmp_path)
+    assert not refused[1] and sorted(refused[2]) == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(3)]

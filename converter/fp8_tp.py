@@ -1,0 +1,195 @@
+"""What vLLM 0.33.0 refuses per rank in our output's FP8 block linears (the fp8-mxfp4 dialect's group_1).
+
+vLLM's compressed-tensors FP8 scheme validates every block-FP8 linear's per-rank sizes while the
+layer is built (``compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py`` 103-114 calls
+``quantization/utils/fp8_utils.py`` ``validate_fp8_block_shape`` 1296-1344): at TP > 1 a row-parallel
+layer's per-rank input and a column-parallel layer's per-rank outputs must be whole blocks, and a
+merged layer (gate_up, qkv) must have whole blocks in every output but the last even at TP 1. Nothing
+waives it under compressed-tensors: ``linear.py`` 562-581 (``_maybe_allow_fp8_block_shape_mismatch``)
+allows a merged layer's mismatch only when the quant config has ``weight_block_size`` (Fp8Config), and
+Ling's shared-expert padding (``bailing_moe_v3.py`` 299-320, 1186-1198, 1547-1552) and head-wise g_proj
+replication (541-552) run only under a block Fp8Config (``_is_block_fp8_config`` 222-228). So the FP8
+source may load at a TP where our compressed-tensors output is refused.
+
+One table, ``LINEARS``: a model type -> each FP8 linear's checkpoint name (its last part) -> the vLLM
+layer class it is built as (``Linear``), with the file and line. A module fused with siblings
+(``gate_proj`` + ``up_proj``) is a merged layer only when a sibling is in the FP8 group too (Ling's
+MLA ``q_proj`` is alone, its KDA ``q_proj`` is fused with ``k_proj``/``v_proj``). Sizes come from the
+tensors' headers (``X.weight`` e4m3 ``[out, in]``), the block from the group's ``block_structure``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from .topology import Topology
+
+V = "vllm 0.33.0 "
+LING = V + "model_executor/models/bailing_moe_v3.py"
+MIMO = V + "model_executor/models/mimo_v2.py"
+VALIDATE = (V + "quantization/compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py 103-114 -> "
+            "quantization/utils/fp8_utils.py validate_fp8_block_shape 1296-1344 (no mismatch allowance under "
+            "compressed-tensors: layers/linear.py 562-581 reads Fp8Config's weight_block_size)")
+DIVIDE = V + "layers/linear.py 497-503 (column), 1708 (row): divide() asserts"
+LING_PAD = (f"{LING} 299-320, 1186-1198, 1547-1552: under the source's Fp8Config vLLM pads the shared "
+            f"experts' intermediate size to a multiple of TP * 128 and zero-pads the tensors at load; under "
+            f"compressed-tensors it does not (_is_block_fp8_config 222-228)")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """How vLLM builds one checkpoint linear: ``kind`` column | row | replicated | merged (TP-split,
+    ``fused`` names its shards in order) | merged-replicated (``disable_tp``) | qkv (QKVParallelLinear,
+    ``fused`` q, k, v); ``alone``: the kind when no sibling of ``fused`` is in the FP8 group."""
+
+    kind: str
+    where: str
+    fused: tuple[str, ...] = ()
+    alone: str = ""
+
+
+_MLP = {"gate_proj": ("gate_proj", "up_proj"), "up_proj": ("gate_proj", "up_proj")}
+
+
+def _ling() -> dict[str, Linear]:
+    mlp = f"{LING} 432-446 (BailingMoeV3MLP: dense and shared-expert MLPs)"
+    kda = f"{LING} 696-719 (KDA qkvb_proj; b_proj is fused under compressed-tensors, 691)"
+    qkvb = ("q_proj", "k_proj", "v_proj", "b_proj")
+    out = {p: Linear("merged", mlp, _MLP[p]) for p in _MLP}
+    out |= {"down_proj": Linear("row", mlp),
+            "q_proj": Linear("merged", kda, qkvb, alone="column"),   # MLA q_proj alone: 487-493
+            **{p: Linear("merged", kda, qkvb) for p in ("k_proj", "v_proj", "b_proj")},
+            "q_a_proj": Linear("merged-replicated", f"{LING} 505-512 (fused_qkv_a_proj, disable_tp)",
+                               ("q_a_proj", "kv_a_proj_with_mqa")),
+            "kv_a_proj_with_mqa": Linear("merged-replicated", f"{LING} 505-512 (fused_qkv_a_proj, disable_tp); "
+                                         f"alone ReplicatedLinear 497-503", ("q_a_proj", "kv_a_proj_with_mqa"),
+                                         alone="replicated"),
+            "q_b_proj": Linear("column", f"{LING} 514-520"),
+            "kv_b_proj": Linear("column", f"{LING} 525-531"),
+            "g_proj": Linear("column", f"{LING} 561-570 (MLA; replicated only under Fp8Config, 541-552) and "
+                                       f"763-769 (KDA)"),
+            "f_proj": Linear("column", f"{LING} 721-727"),
+            "dense": Linear("row", f"{LING} 573-579"),
+            "o_proj": Linear("row", f"{LING} 773-779")}
+    return out
+
+
+def _mimo() -> dict[str, Linear]:
+    mlp = f"{MIMO} 89-103 (MiMoV2MLP)"
+    qkv = f"{MIMO} 284-293 (QKVParallelLinear; layers/linear.py 1063-1083)"
+    out = {p: Linear("merged", mlp, _MLP[p]) for p in _MLP}
+    out |= {"down_proj": Linear("row", mlp), "o_proj": Linear("row", f"{MIMO} 295-301"),
+            **{p: Linear("qkv", qkv, ("q_proj", "k_proj", "v_proj")) for p in ("q_proj", "k_proj", "v_proj")}}
+    return out
+
+
+def _mimo_kv_heads(config: Mapping[str, Any], layer: int) -> int | None:
+    """MiMo's KV heads of a decoder layer: the swa_ fields where hybrid_layer_pattern is 1
+    (mimo_v2.py 408-436, 500)."""
+    pattern = config.get("hybrid_layer_pattern")
+    swa = isinstance(pattern, list) and 0 <= layer < len(pattern) and pattern[layer] == 1
+    kv = config.get("swa_num_key_value_heads" if swa else "num_key_value_heads")
+    return kv if isinstance(kv, int) and kv > 0 else None
+
+
+_LING_T, _MIMO_T = _ling(), _mimo()
+LINEARS: dict[str, dict[str, Linear]] = {"bailing_moe_v3": _LING_T, "bailing_hybrid": _LING_T,
+                                         "mimo_v2_flash": _MIMO_T, "mimo_v2": _MIMO_T}
+KV_HEADS: dict[str, Callable[[Mapping[str, Any], int], int | None]] = {"mimo_v2_flash": _mimo_kv_heads,
+                                                                        "mimo_v2": _mimo_kv_heads}
+
+
+def _layer(module: str) -> int | None:
+    """The decoder layer index in ``...layers.N....`` (None outside the layers)."""
+    parts = module.split(".")
+    i = next((i for i, p in enumerate(parts[:-1]) if p == "layers"), None)
+    return int(parts[i + 1]) if i is not None and parts[i + 1].isdigit() else None
+
+
+def _partitions(kind: str, shards: list[tuple[str, int]], tp: int, kv: int | None
+                ) -> tuple[list[int], bool] | str:
+    """(per-rank output partitions, whether vLLM counts the layer as TP-split), or a divide() refusal."""
+    if kind == "qkv":
+        if kv is None:
+            return [], False
+        parts = []
+        for name, out in shards:   # K/V: kv // tp heads a rank, or one replicated head (linear.py 1065-1071)
+            if name == "q_proj" and out % tp:
+                return f"q_proj output {out} not divisible by TP {tp}"
+            parts.append(out // tp if name == "q_proj" or tp < kv else out // kv)
+        return parts, tp > 1
+    split = kind in ("column", "merged")
+    for name, out in shards:
+        if split and out % tp:
+            return f"{name} output {out} not divisible by TP {tp}"
+    return [out // tp if split else out for _, out in shards], split and tp > 1
+
+
+def refusals(config: Mapping[str, Any] | None, shapes: Mapping[str, tuple[int, int]], block: tuple[int, int] | None,
+             topo: Topology) -> list[tuple[str, str, str]]:
+    """(vLLM layer, short problem, where) for every FP8 block linear whose per-rank sizes vLLM's
+    compressed-tensors FP8 scheme refuses at ``topo`` (its TP group: linears see TP only, never DP).
+    ``shapes``: the FP8 group's modules (checkpoint names) -> weight [out, in]; ``block``: [block_n, block_k]."""
+    config = dict(config or {})
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    types = [t for t in (config.get("model_type"), text.get("model_type")) if isinstance(t, str)]
+    table = next((LINEARS[t] for t in types if t in LINEARS), None)
+    kv_of = next((KV_HEADS[t] for t in types if t in KV_HEADS), None)
+    if table is None or block is None:
+        return []
+    bn, bk, tp = block[0], block[1], topo.tp
+    out, done = [], set()
+    for module in sorted(shapes):
+        parent, _, name = module.rpartition(".")
+        spec = table.get(name)
+        if spec is None:
+            continue
+        present = [s for s in spec.fused if f"{parent}.{s}" in shapes]
+        kind = spec.kind if len(present) > 1 or not spec.alone else spec.alone
+        group = present if kind in ("merged", "merged-replicated", "qkv") else [name]
+        key = (parent, tuple(group))
+        if key in done:
+            continue
+        done.add(key)
+        layer = ".".join(filter(None, (parent, "+".join(group))))
+        if kind == "row":
+            inp = shapes[module][1]
+            if inp % tp:
+                out.append((layer, f"input {inp} not divisible by TP {tp}", DIVIDE))
+            elif tp > 1 and (inp // tp) % bk:
+                out.append((layer, f"per-rank input {inp}/{tp}={inp // tp} is not whole {bk}-blocks",
+                            f"{spec.where}; {VALIDATE}"))
+            continue
+        if kind == "replicated":
+            continue
+        kv = kv_of(text, _layer(module) or 0) if kind == "qkv" and kv_of else None
+        got = _partitions(kind, [(s, shapes[f"{parent}.{s}"][0]) for s in group], tp, kv)
+        if isinstance(got, str):
+            out.append((layer, got, DIVIDE))
+            continue
+        parts, split = got
+        merged = len(parts) > 1
+        check = parts if split else parts[:-1] if merged else []
+        bad = [(s, p) for s, p in zip(group, check) if p % bn]
+        if bad:
+            what = ", ".join(f"{s} {p}" for s, p in bad)
+            per = "per-rank output" if split else "output"
+            out.append((layer, f"{per} {what} not whole {bn}-blocks", f"{spec.where}; {VALIDATE}"))
+    return out
+
+
+def ling_padded(config: Mapping[str, Any] | None, tp: int, block: tuple[int, int] | None) -> tuple[int, int] | None:
+    """(shared-expert intermediate, what vLLM pads it to) when the FP8 source would be padded at ``tp``
+    and our output is not (None when no padding was needed)."""
+    config = dict(config or {})
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if not ({config.get("model_type"), text.get("model_type")} & {"bailing_moe_v3", "bailing_hybrid"}) or not block:
+        return None
+    size, n = text.get("moe_shared_expert_intermediate_size"), text.get("num_shared_experts")
+    if not (isinstance(size, int) and isinstance(n, int)):
+        return None
+    inter = size * n
+    align = tp * math.lcm(*block)
+    padded = -(-inter // align) * align
+    return (inter, padded) if padded != inter else None
