@@ -216,6 +216,7 @@ class ShardConverter:
         self.batch_groups, self.sample, self.scale_shift = batch_groups, sample, scale_shift % 256
         self.readers, self.writers = readers, writers
         self.pin = self.device.type == "cuda"
+        self._local = threading.local()   # each reader thread's Dequant buffers
         # at most: `readers` batches being read, one ready, one computing (inputs); one being
         # filled, `writers` being written and one queued for them (outputs); copy pieces likewise
         self._inputs = _Pool(readers + 2, lambda: self._pair(torch.uint8))
@@ -241,8 +242,8 @@ class ShardConverter:
         scales the converter refuses and any group too large for bf16."""
         d, rows = piece.item, piece.hi - piece.lo
         half, groups = d.cols // 2, d.cols // 32
-        pn = np.empty((rows, half), dtype=np.uint8)
-        sn = np.empty((rows, groups), dtype=np.uint8)
+        pn, sn, scratch = self._dequant_buffers(rows * d.cols)
+        pn, sn = pn[:rows * half].reshape(rows, half), sn[:rows * groups].reshape(rows, groups)
         _pread(fds[d.packed.path], pn, d.packed.start + piece.lo * half, d.packed.path, d.packed.name)
         _pread(fds[d.scale.path], sn, d.scale.start + piece.lo * groups, d.scale.path, d.scale.name)
         first = piece.lo * groups
@@ -251,14 +252,23 @@ class ShardConverter:
             raise _scale_refusal([d], first + bad[0], bad[1])
         if self.scale_shift:
             np.add(sn, self.scale_shift, out=sn)
-        bits, over = mxfp4.to_bf16(pn, sn)
+        out = piece.buf if piece.size <= COPY_PIECE else np.empty(piece.size, np.uint8)  # a row over 8M: its own
+        piece.data = out[:piece.size]
+        _, over = mxfp4.to_bf16(pn, sn, piece.data.view(np.uint16), scratch)
         if over is not None:
             raise _scale_refusal([d], first + over, f"its values exceed bf16's range (E8M0 byte "
                                  f"{int(sn.reshape(-1)[over])}): not a weight that dequantizes")
-        out = piece.buf if piece.buf is not None and piece.size <= COPY_PIECE else np.empty(piece.size, np.uint8)
-        piece.data = out[:piece.size]
-        piece.data.view(np.uint16)[:] = bits.reshape(-1)
         return piece
+
+    def _dequant_buffers(self, values: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This reader thread's buffers for a piece of ``values`` weights (packed, scales, float32),
+        kept across pieces: fresh pages cost more than the decode itself."""
+        bufs = getattr(self._local, "dequant", None)
+        if bufs is None or bufs[2].size < values:
+            n = max(values, DEQUANT_PIECE // 2)
+            bufs = self._local.dequant = (np.empty(n // 2, np.uint8), np.empty(n // 32, np.uint8),
+                                          np.empty(n, np.float32))
+        return bufs
 
     def _read(self, fds: dict[str, int], unit, stages: Stages):
         with stages.time("read"):

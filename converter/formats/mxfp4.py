@@ -49,27 +49,35 @@ _FIRST_OVERFLOW = 253
 _BYTE_VALUES = np.array([[E2M1_VALUES[b & 15], E2M1_VALUES[b >> 4]] for b in range(256)], dtype=np.float32)
 
 
-def to_bf16(packed: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, int | None]:
+def to_bf16(packed: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None,
+            scratch: np.ndarray | None = None) -> tuple[np.ndarray, int | None]:
     """(packed uint8 [rows, in/2], OCP E8M0 bytes [rows, in/32]) -> (bf16 bits uint16 [rows, in], the
     first group that overflows bf16, or None).
 
     Exact: an E2M1 value (at most two significant bits) times 2^(e-127) is a float32 number, normal
     or subnormal (the smallest, 2^-128, is float32's 2^21-th subnormal step), whose low 16 bits are
-    zero, so its top 16 bits are the bf16 number itself. Only magnitudes past bf16's range (6 or 4
-    times 2^127, 6 times 2^126, ...) do not fit: the caller refuses those groups. Byte 255 (NaN) must
-    have been refused before (``refused_scale``).
+    zero, so its top 16 bits are the bf16 number itself. Only magnitudes past bf16's range (4 or 6
+    times 2^126, ...) do not fit: the caller refuses those groups. Byte 255 (NaN) must have been
+    refused before (``refused_scale``). ``out`` (uint16, rows * in) and ``scratch`` (float32, at least
+    rows * in) are reused buffers: fresh pages cost more than the decode (bench_dequant.py).
     """
     rows, groups = scales.shape
+    n = rows * groups * 32
+    values = (np.empty(n, np.float32) if scratch is None else scratch[:n]).reshape(rows, groups, 32)
+    # take: ~10x fancy indexing; mode "clip" (bytes index 256 rows: never clipped) or numpy buffers `out`
+    np.take(_BYTE_VALUES, packed, axis=0, out=values.reshape(rows, groups * 16, 2), mode="clip")
     with np.errstate(over="ignore"):
-        unit = np.ldexp(np.float32(1), scales.astype(np.int32) - 127).astype(np.float32)
-        values = np.take(_BYTE_VALUES, packed, axis=0).reshape(rows, groups, 32)  # take: ~10x fancy indexing
-        values *= unit[:, :, None]
+        values *= np.ldexp(np.float32(1), scales.astype(np.int32) - 127).astype(np.float32)[:, :, None]
     bad = None
     high = np.flatnonzero(scales.reshape(-1) >= _FIRST_OVERFLOW)  # only these groups can reach inf
     if high.size:
         inf = high[np.isinf(values.reshape(-1, 32)[high]).any(axis=1)]
         bad = int(inf[0]) if inf.size else None
-    return (values.reshape(rows, -1).view(np.uint32) >> 16).astype(np.uint16), bad
+    bits = values.reshape(rows, -1).view(np.uint32)
+    np.right_shift(bits, 16, out=bits)
+    out = np.empty((rows, groups * 32), np.uint16) if out is None else out.reshape(rows, groups * 32)
+    np.copyto(out, bits, casting="unsafe")   # each value < 2^16
+    return out, bad
 
 
 def to_ocp(scales: torch.Tensor, bias: int = 127) -> torch.Tensor:
