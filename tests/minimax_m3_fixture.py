@@ -118,6 +118,32 @@ def write_quark(dst: str, quark_block: dict, seed: int = 0) -> None:
         json.dump(config, f, indent=2)
 
 
+def write_quark_template(dst: str, scheme: str = "mxfp4", seed: int = 0) -> list[str]:
+    """The checkpoint as amd-quark 0.13's file-to-file export with its ``minimax_m3_vl`` template as
+    shipped (config from amd-quark itself): every Linear the template does not exclude is MXFP4, the
+    shared experts and dense MLPs included. Returns those non-expert modules, sorted."""
+    import fnmatch
+
+    from safetensors.torch import load_file
+    from quark.torch.quantization.config.template import LLMTemplate
+
+    cfg = LLMTemplate.get("minimax_m3_vl").get_config(scheme=scheme)
+    write_quark(dst, cfg.to_dict(), seed)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["exclude"] = sorted(cfg.exclude)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    path = os.path.join(dst, "model.safetensors")
+    t = load_file(path)
+    linears = sorted(n[: -len(".weight")] for n, x in t.items() if n.endswith("_proj.weight") and x.dtype == torch.bfloat16
+                     and not any(fnmatch.fnmatch(n[: -len(".weight")], p) for p in cfg.exclude))
+    for m in linears:
+        t[f"{m}.weight"], t[f"{m}.weight_scale"] = ct_mxfp4_encode(t[f"{m}.weight"].float())
+    save_file(t, path, metadata={"format": "pt"})
+    return linears
+
+
 # What a user passes auto-round as --ignore_layers to keep MiniMax-M3's non-expert linears in bf16
 AUTO_ROUND_IGNORE = ("self_attn", "shared_experts", ".mlp.", "vision_tower")
 

@@ -193,27 +193,12 @@ def test_quark_minimax_m3_vl_template_as_shipped(done, tmp_path):
     vision tower, projector, router and attention only: its export holds MXFP4 shared experts (and
     dense MLPs). Every such linear becomes an exact bf16 weight; the routed experts are the same int4
     as the compressed-tensors build's; verify --source and the serving model pass."""
-    import fnmatch
+    from conftest import assert_verified_and_on_triton
 
-    from safetensors.torch import load_file, save_file
-
-    from conftest import assert_verified_and_on_triton, ct_mxfp4_encode, write_json
-
-    quark = pytest.importorskip("quark.torch.quantization.config.template")
+    pytest.importorskip("quark.torch.quantization.config.template")
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
-    cfg = quark.LLMTemplate.get("minimax_m3_vl").get_config(scheme="mxfp4")
-    mm3.write_quark(src, cfg.to_dict())
-    config = read_json(os.path.join(src, "config.json"))
-    config["quantization_config"]["exclude"] = sorted(cfg.exclude)
-    write_json(os.path.join(src, "config.json"), config)
-    path = os.path.join(src, "model.safetensors")
-    t = load_file(path)
-    linears = sorted(n[: -len(".weight")] for n, x in t.items() if n.endswith("_proj.weight") and x.dtype == torch.bfloat16
-                     and not any(fnmatch.fnmatch(n[: -len(".weight")], p) for p in cfg.exclude))
+    linears = mm3.write_quark_template(src)
     assert linears and all(".shared_experts." in m or ".mlp." in m for m in linears), linears
-    for m in linears:
-        t[f"{m}.weight"], t[f"{m}.weight_scale"] = ct_mxfp4_encode(t[f"{m}.weight"].float())
-    save_file(t, path, metadata={"format": "pt"})
     convert(src, dst, Options(drop_activation_quant=True))
     ours, before, ct = all_tensors(dst), all_tensors(src), all_tensors(done[1])
     for m in linears:

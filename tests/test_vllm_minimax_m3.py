@@ -4,7 +4,8 @@ output's config by ``tests/vllm_scripts/moe_model_quant_methods.py``: the routed
 MiniMax's alpha 1.702, beta 1.0 (vLLM's default: the config omits it), limit 7.0 and uint4b8
 group-32 symmetric weights (TRITON on gfx942 in converter/serving.py's model of the oracle);
 every other module (attention, dense and shared-expert MLPs, router, vision tower, head) stays
-unquantized, as in the source. vLLM asked the experts' scheme under gate/up/down_proj only.
+unquantized, as in the source (for amd-quark's template export, whose shared experts and dense MLPs
+are MXFP4, as the exact bf16 we write). vLLM asked the experts' scheme under gate/up/down_proj only.
 Needs K3CONVERT_VLLM_PYTHON (skips without it, fails under K3CONVERT_REQUIRE_VLLM=1).
 """
 from __future__ import annotations
@@ -19,9 +20,14 @@ from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods
 LOOKUP = re.compile(r"^language_model\.model\.layers\.\d+\.block_sparse_moe\.experts\.0\.(gate|up|down)_proj$")
 
 
-@pytest.fixture(scope="module")
-def case(tmp_path_factory) -> dict:
-    return model_methods(tmp_path_factory, "minimax_m3", mm3.write)[0]
+# the compressed-tensors build, and amd-quark's minimax_m3_vl template as shipped (shared experts and
+# dense MLPs MXFP4 too, written as exact bf16): vLLM must see the same unquantized rest in both
+WRITERS = {"ct": mm3.write, "quark-template": lambda d: mm3.write_quark_template(d, scheme="mxfp4_weight_only")}
+
+
+@pytest.fixture(scope="module", params=sorted(WRITERS))
+def case(request, tmp_path_factory) -> dict:
+    return model_methods(tmp_path_factory, "minimax_m3", WRITERS[request.param])[0]
 
 
 def test_experts_int4_asking_for_swigluoai_uninterleave(case):
