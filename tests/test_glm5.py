@@ -205,3 +205,28 @@ def test_every_code_at_every_scale_decodes_to_its_exact_bf16():
     assert torch.equal(got[fits], want[fits]) and torch.isinf(got[~fits]).all()
     assert first == 253 and fits[:253].all() and not fits[253].all()
     assert (got[:2] != 0).sum() == 2 * 28 and got[0].abs().min() == 0 and got[0][got[0] != 0].abs().min() == 2.0 ** -128
+
+
+def test_a_dequantized_modules_scale_in_another_shard(shipped, tmp_path):
+    """Writers cut shards by size: a shared expert's scale in the other shard is read from there by
+    offset, recorded as a partner shard (resume and job arrays see it), and gives the same bytes."""
+    import shutil
+
+    from conftest import load_shard, rewrite_shard, sync_index
+    from converter.plan import build_plan
+    src, dst = shipped
+    moved, out = str(tmp_path / "src"), str(tmp_path / "dst")
+    shutil.copytree(src, moved)
+    name = f"{SHARED[3]}.weight_scale"    # layer 2: shard 2; its scale goes to shard 1
+    where = all_tensors(moved)[name][0]
+    other = next(s for s in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors") if s != where)
+    scale = load_shard(os.path.join(moved, where))[0][name]
+    rewrite_shard(os.path.join(moved, where), lambda t: t.pop(name))
+    rewrite_shard(os.path.join(moved, other), lambda t: t.update({name: scale}))
+    sync_index(moved)
+    sp = next(s for s in build_plan(moved).shards if s.name == where)
+    assert sp.partners == [other] and build_plan(moved).straddled == 1
+    convert(moved, out, Options())
+    assert open(os.path.join(out, where), "rb").read() == open(os.path.join(dst, where), "rb").read()
+    from converter.verify import verify
+    assert verify(out, moved, sample=None).ok
