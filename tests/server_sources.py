@@ -16,6 +16,22 @@ FLYDSL = "model_executor/layers/quantization/compressed_tensors/compressed_tenso
 MXFP4 = "model_executor/layers/quantization/mxfp4.py"
 
 
+def released_file(env: str, rel: str) -> Path:
+    """``rel`` under the released sources that ``env`` names (scripts/fetch_server_sources.sh), else a
+    skip saying what is missing: a failure under K3CONVERT_REQUIRE_VLLM=1 (CI fetches them)."""
+    import os
+
+    import pytest
+
+    root = os.environ.get(env)
+    if root and Path(root, rel).is_file():
+        return Path(root, rel)
+    why = f"{env} unset or without {rel} (run scripts/fetch_server_sources.sh)"
+    if os.environ.get("K3CONVERT_REQUIRE_VLLM") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
 def functions(path: Path, names: set[str], namespace: dict, cls: str | None = None) -> dict:
     """Compile only the named top-level functions (or methods of `cls`) of a file we did not write."""
     tree = ast.parse(Path(path).read_text())

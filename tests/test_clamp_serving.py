@@ -15,7 +15,6 @@ K3CONVERT_SGLANG0523_SRC names the wheel's ``sglang/`` directory (``test_sglangs
 from __future__ import annotations
 
 import ast
-import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ import pytest
 import glm5_fixture as glm
 import ling_fixture as ling
 from conftest import converted_model, with_config
+from server_sources import released_file
 from converter import serving
 
 
@@ -70,13 +70,7 @@ def test_sglang_cuda_marlin_drops_only_lings_clamp(outs, tmp_path):
 # ------------------------------------------------------------------ SGLang 0.5.23's own files
 
 def sglang_file(rel: str) -> Path:
-    root = os.environ.get("K3CONVERT_SGLANG0523_SRC")
-    path = Path(root, rel) if root else None
-    if path is None or not path.is_file():
-        if os.environ.get("K3CONVERT_REQUIRE_VLLM") == "1":  # CI: the sources are fetched with the vLLM venv
-            pytest.fail(f"K3CONVERT_SGLANG0523_SRC has no {rel}")
-        pytest.skip(f"K3CONVERT_SGLANG0523_SRC has no {rel} (the sglang/ directory of the sglang 0.5.23 wheel)")
-    return path
+    return released_file("K3CONVERT_SGLANG0523_SRC", rel)
 
 
 def calls_with(tree: ast.AST, cls: str, method: str) -> list[dict[str, str]]:

@@ -28,6 +28,7 @@ from converter.vllm_plugin import route
 from conftest import (SPEC, ct_mxfp4_encode, read_json, rewrite_shard, run_cli, shard_names, sync_index,
                       write_json)
 from converter.fixture import FixtureSpec, make_fixture
+from server_sources import released_file
 from converter.pipeline import Options, convert
 
 LAYER = "language_model.model.layers.1.block_sparse_moe.experts"   # the first MoE layer (shard 2)
@@ -604,18 +605,6 @@ TWO_NODE = {"TP 8 + EP": Topology(8, ep=True), "DP 2 x TP 8 + EP": Topology(8, d
             "PP 2 x TP 8": Topology(8, pp=2)}
 
 
-def _vllm_source(rel: str):
-    """A vLLM 0.33.0 file from the released wheel (scripts/fetch_server_sources.sh)."""
-    from pathlib import Path
-    root = os.environ.get("K3CONVERT_VLLM033_SRC")
-    path = Path(root, rel) if root else None
-    if path is None or not path.is_file():
-        if os.environ.get("K3CONVERT_REQUIRE_VLLM") == "1":  # CI: the sources are fetched with the vLLM venv
-            pytest.fail(f"K3CONVERT_VLLM033_SRC has no {rel}")
-        pytest.skip(f"K3CONVERT_VLLM033_SRC has no {rel} (run scripts/fetch_server_sources.sh)")
-    return path
-
-
 def _vllm_split():
     """vLLM 0.33.0's own FusedMoEParallelConfig (fused_moe/config.py), determine_expert_map
     (expert_map_manager.py) and get_pp_indices (distributed/utils.py), compiled from the released
@@ -633,7 +622,7 @@ def _vllm_split():
     for rel, names in (("model_executor/layers/fused_moe/config.py", {"FusedMoEParallelConfig"}),
                        ("model_executor/layers/fused_moe/expert_map_manager.py", {"determine_expert_map"}),
                        ("distributed/utils.py", {"get_pp_indices"})):
-        tree = ast.parse(_vllm_source(rel).read_text())
+        tree = ast.parse(released_file("K3CONVERT_VLLM033_SRC", rel).read_text())
         found = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names]
         assert {n.name for n in found} == names, rel
         exec(compile(ast.Module(body=found, type_ignores=[]), rel, "exec"), ns)

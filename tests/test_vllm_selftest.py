@@ -8,7 +8,6 @@ leaves it, is refused, and the refusal names the fault where one alternative exp
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,24 +18,13 @@ from converter.vllm_plugin import layout, repair, route, selftest
 import aiter_sim
 import server_sources
 
-REQUIRE = os.environ.get("K3CONVERT_REQUIRE_VLLM") == "1"
 BETA, LINEAR_BETA = 4.0, 25.0
-
-
-def _src(env: str, rel: str) -> Path:
-    root = os.environ.get(env)
-    if root and Path(root, rel).is_file():
-        return Path(root, rel)
-    why = f"{env} unset or without {rel} (run scripts/fetch_server_sources.sh)"
-    if REQUIRE:
-        pytest.fail(why)
-    pytest.skip(why)
 
 
 @pytest.fixture(scope="module")
 def helpers() -> aiter_sim.Helpers:
-    shuffle = server_sources.aiter_shuffle(_src("K3CONVERT_AITER_SRC", "ops/shuffle.py"))
-    ns = server_sources.vllm_flydsl(_src("K3CONVERT_VLLM033_SRC", server_sources.FLYDSL), shuffle.shuffle_weight)
+    shuffle = server_sources.aiter_shuffle(server_sources.released_file("K3CONVERT_AITER_SRC", "ops/shuffle.py"))
+    ns = server_sources.vllm_flydsl(server_sources.released_file("K3CONVERT_VLLM033_SRC", server_sources.FLYDSL), shuffle.shuffle_weight)
     return aiter_sim.Helpers(shuffle.shuffle_weight, ns["_pack_shuffled_int8_to_packed_int4_no_perm"],
                              server_sources.vllm_scale_relayout(ns))
 
