@@ -247,11 +247,7 @@ class ShardConverter:
         _pread(fds[d.packed.path], pn, d.packed.start + piece.lo * half, d.packed.path, d.packed.name)
         _pread(fds[d.scale.path], sn, d.scale.start + piece.lo * groups, d.scale.path, d.scale.name)
         first = piece.lo * groups
-        bad = mxfp4.refused_scale(pn.reshape(-1, 16), sn.reshape(-1), 127 - self.scale_shift)
-        if bad is not None:
-            raise _scale_refusal([d], first + bad[0], bad[1])
-        if self.scale_shift:
-            np.add(sn, self.scale_shift, out=sn)
+        self._ocp_scales(pn.reshape(-1, 16), sn.reshape(-1), [d], first)
         out = piece.buf if piece.size <= COPY_PIECE else np.empty(piece.size, np.uint8)  # a row over 8M: its own
         piece.data = out[:piece.size]
         _, over = mxfp4.to_bf16(pn, sn, piece.data.view(np.uint16), scratch)
@@ -259,6 +255,15 @@ class ShardConverter:
             raise _scale_refusal([d], first + over, f"its values exceed bf16's range (E8M0 byte "
                                  f"{int(sn.reshape(-1)[over])}): not a weight that dequantizes")
         return piece
+
+    def _ocp_scales(self, packed: np.ndarray, scales: np.ndarray, items: list, first: int = 0) -> None:
+        """Refuse the stored E8M0 bytes no dialect allows (``mxfp4.refused_scale``, on the bytes as
+        stored), then shift ``scales`` in place to OCP's bias. ``first``: the groups' index in ``items``."""
+        bad = mxfp4.refused_scale(packed, scales, 127 - self.scale_shift)
+        if bad is not None:
+            raise _scale_refusal(items, first + bad[0], bad[1])
+        if self.scale_shift:
+            np.add(scales, self.scale_shift, out=scales)  # uint8: wraps mod 256 (254 + 2 = 0)
 
     def _dequant_buffers(self, values: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This reader thread's buffers for a piece of ``values`` weights (packed, scales, float32),
@@ -285,11 +290,7 @@ class ShardConverter:
                 _pread(fds[c.packed.path], pn[g:g + c.groups], c.packed.start, c.packed.path, c.packed.name)
                 _pread(fds[c.scale.path], sn[g:g + c.groups], c.scale.start, c.scale.path, c.scale.name)
                 g += c.groups
-            bad = mxfp4.refused_scale(pn, sn, 127 - self.scale_shift)  # on the stored bytes, before the shift
-            if bad is not None:
-                raise _scale_refusal(unit.items, *bad)
-            if self.scale_shift:
-                np.add(sn, self.scale_shift, out=sn)  # uint8: wraps mod 256 (254 + 2 = 0)
+            self._ocp_scales(pn, sn, unit.items)
             unit.packed, unit.scales = packed, scales
             return unit
 
