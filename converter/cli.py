@@ -184,7 +184,8 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, workers_per_gpu, sam
         click.echo(line)
     state = "complete" if summary.complete else \
         f"{summary.shards_done}/{summary.shards_total} shards done (the run that converts the last one completes DST)"
-    click.echo(f"{state}: {summary.tensors} tensors; {rate_line(summary.bytes_in, summary.seconds)} -> {summary.dst}")
+    bf16 = f" (+{summary.bf16} non-expert MXFP4 module(s) as exact bf16)" if summary.bf16 else ""
+    click.echo(f"{state}: {summary.tensors} tensors{bf16}; {rate_line(summary.bytes_in, summary.seconds)} -> {summary.dst}")
     if summary.status != "partial":
         click.echo(f"report: {os.path.join(summary.dst, REPORT)}")
 

@@ -112,6 +112,7 @@ class Summary:
     cmp_ratio: float | None = None  # the other rule's error over ours (validate.error_ratio)
     status: str = "partial"
     worst: dict | None = None
+    bf16: int = 0   # MXFP4 modules that are not routed experts, written as exact bf16 (plan.Dequant)
 
 
 Event = Callable[[str, dict], None]  # (kind, fields): progress for bars and JSON logs
@@ -736,6 +737,7 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
                       sum(s.bytes_in for s in done), sum(s.bytes_out for s in done), layer_summary(figs),
                       status=status, worst=worst and {"tensor": worst.name, "rel_rmse": worst.rel_rmse})
     summary.scale_rule, summary.cmp_ratio = options.scale_rule, error_ratio(figs)
+    summary.bf16 = sum(len(s.dequants) for s in done)
     source = _source_record(plan, run)
     source_format = f"{plan.source.dialect} MXFP4"
     manifest = {

@@ -230,3 +230,10 @@ def test_a_dequantized_modules_scale_in_another_shard(shipped, tmp_path):
     assert open(os.path.join(out, where), "rb").read() == open(os.path.join(dst, where), "rb").read()
     from converter.verify import verify
     assert verify(out, moved, sample=None).ok
+
+
+def test_the_cli_says_how_many_modules_it_wrote_as_bf16(shipped, tmp_path):
+    from conftest import run_cli
+    result = run_cli("mxfp4-to-int4", shipped[0], "-o", tmp_path / "dst", "--progress", "none")
+    assert result.exit_code == 0, result.output
+    assert "complete: 24 tensors (+6 non-expert MXFP4 module(s) as exact bf16);" in result.stdout
