@@ -75,6 +75,19 @@ def heavy_tailed(*shape: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- independent decoders
 
+def mxfp4_unless_excluded(tensors: dict[str, torch.Tensor], exclude: list[str]) -> list[str]:
+    """Make MXFP4 (X.weight + X.weight_scale, in place) every bf16 linear ``X.weight`` (``*_proj``) that
+    none of Quark's ``exclude`` patterns (fnmatch, on the module name) matches, as a Quark template
+    export quantizes every Linear it does not exclude. Returns those modules, sorted."""
+    import fnmatch
+    linears = sorted(n[: -len(".weight")] for n, t in tensors.items() if n.endswith("_proj.weight")
+                     and t.dtype == torch.bfloat16 and t.dim() == 2
+                     and not any(fnmatch.fnmatch(n[: -len(".weight")], p) for p in exclude))
+    for m in linears:
+        tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"] = ct_mxfp4_encode(tensors[f"{m}.weight"].float())
+    return linears
+
+
 def ct_mxfp4_values(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """MXFP4 -> float64 [out, in] with compressed-tensors' unpack_fp4_from_uint8/decompress_mx_scale."""
     rows, half = packed.shape

@@ -20,7 +20,7 @@ from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.quantization import QuantizationConfig
 from safetensors.torch import save_file
 
-from conftest import MXFP4_SCHEME, ct_mxfp4_encode, heavy_tailed
+from conftest import MXFP4_SCHEME, ct_mxfp4_encode, heavy_tailed, mxfp4_unless_excluded
 
 PREFIX = "language_model.model.layers"
 # layer 0 dense, layers 1 and 2 MoE (moe_layer_freq), as the real model's first layers are dense
@@ -122,8 +122,6 @@ def write_quark_template(dst: str, scheme: str = "mxfp4", seed: int = 0) -> list
     """The checkpoint as amd-quark 0.13's file-to-file export with its ``minimax_m3_vl`` template as
     shipped (config from amd-quark itself): every Linear the template does not exclude is MXFP4, the
     shared experts and dense MLPs included. Returns those non-expert modules, sorted."""
-    import fnmatch
-
     from safetensors.torch import load_file
     from quark.torch.quantization.config.template import LLMTemplate
 
@@ -136,10 +134,7 @@ def write_quark_template(dst: str, scheme: str = "mxfp4", seed: int = 0) -> list
         json.dump(config, f, indent=2)
     path = os.path.join(dst, "model.safetensors")
     t = load_file(path)
-    linears = sorted(n[: -len(".weight")] for n, x in t.items() if n.endswith("_proj.weight") and x.dtype == torch.bfloat16
-                     and not any(fnmatch.fnmatch(n[: -len(".weight")], p) for p in cfg.exclude))
-    for m in linears:
-        t[f"{m}.weight"], t[f"{m}.weight_scale"] = ct_mxfp4_encode(t[f"{m}.weight"].float())
+    linears = mxfp4_unless_excluded(t, cfg.exclude)
     save_file(t, path, metadata={"format": "pt"})
     return linears
 

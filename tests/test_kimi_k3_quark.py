@@ -6,7 +6,6 @@ verify, the vLLM plugin's serving model and the inventory hold as for the compre
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import shutil
@@ -15,12 +14,11 @@ import pytest
 import torch
 
 from conftest import (
-    all_tensors, ct_mxfp4_encode, ct_mxfp4_values, load_shard, read_json, shard_names, sync_index, tensor_bytes,
-    write_json)
+    all_tensors, ct_mxfp4_values, load_shard, mxfp4_unless_excluded, read_json, shard_names, sync_index,
+    tensor_bytes, write_json)
 from converter.pipeline import Options, convert
 
-EXPORT = {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder", "weight_format": "real_quantized",
-          "weight_merge_groups": None}   # file2file_quantization.py 2289-2295 (as tests/glm5_fixture.py)
+from glm5_fixture import EXPORT   # amd-quark's file2file export block (file2file_quantization.py 2289-2295)
 
 
 def write_quark_k3(ct_src: str, dst: str) -> list[str]:
@@ -35,18 +33,9 @@ def write_quark_k3(ct_src: str, dst: str) -> list[str]:
     linears = []
     for shard in shard_names(dst):
         tensors, _ = load_shard(os.path.join(dst, shard))
-        out = {}
-        for name, t in tensors.items():
-            module = name.rsplit(".", 1)[0]
-            if name.endswith(".weight_packed"):
-                out[f"{module}.weight"] = t
-            elif (name.endswith("_proj.weight") and t.dtype == torch.bfloat16 and t.dim() == 2
-                  and not any(fnmatch.fnmatch(module, p) for p in cfg.exclude)):
-                out[name], out[f"{module}.weight_scale"] = ct_mxfp4_encode(t.float())
-                linears.append(module)
-            else:
-                out[name] = t
-        save_file(out, os.path.join(dst, shard))
+        tensors = {n.replace(".weight_packed", ".weight"): t for n, t in tensors.items()}  # Quark's names
+        linears += mxfp4_unless_excluded(tensors, cfg.exclude)
+        save_file(tensors, os.path.join(dst, shard))
     sync_index(dst)
     config = read_json(os.path.join(dst, "config.json"))
     config["text_config"].pop("quantization_config")
