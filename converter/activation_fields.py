@@ -2,7 +2,7 @@
 --serving`` and the vLLM plugin's route, so that the three cannot disagree (issue 25, S6).
 
 A config with a ``text_config`` describes its language model there, and vLLM builds the model from
-that sub-config alone: ``get_hf_text_config`` (vllm 0.33.0 transformers_utils/config.py 1258-1272);
+that sub-config alone: ``get_hf_text_config`` (transformers_utils/config.py; docs/serving.md);
 ``KimiK3Config`` and ``MiniMaxM3Config`` make ``text_config`` from the nested dict
 (transformers_utils/configs/kimi_k3.py 99-104, minimax_m3.py 140-144) and keep top-level keys on
 the outer config, which the MoE never reads (models/kimi_k3/amd/linear.py 237-242, 751). A field

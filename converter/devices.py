@@ -13,6 +13,8 @@ import ctypes
 import glob
 import os
 
+from .whole import whole
+
 
 def _count(library: str, init: str | None, count: str) -> int | None:
     """Devices the library reports; None when the library is not there."""
@@ -49,7 +51,8 @@ def _read(path: str) -> str | None:
 
 
 def _number(text: str | None) -> int | None:
-    return int(text) if text and text.lstrip("-").isdigit() else None
+    n = whole(text.removeprefix("-")) if text else None   # ASCII digits: "²".isdigit() is True, int("²") fails
+    return None if n is None else -n if text.startswith("-") else n
 
 
 def cpu_quota(root: str = CGROUP) -> int | None:

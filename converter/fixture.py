@@ -7,6 +7,7 @@ Every shard is written at once, one tensor (pair) in memory at a time.
 """
 from __future__ import annotations
 
+import enum
 import json
 import os
 from dataclasses import dataclass
@@ -14,9 +15,11 @@ from typing import Callable, Iterator
 
 import torch
 
+from .errors import BadInput, OutputError
 from .formats import mxfp4
 from .formats.checkpoint import INDEX
 from .formats.safetensors_io import Layout, OutTensor, ShardWriter
+from .safepath import new_folder
 
 Encoder = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
 PREFIX = "language_model.model"
@@ -25,6 +28,22 @@ IGNORE = [
     "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*",
     r"re:.*block_sparse_moe\.gate\..*", "re:.*routed_expert_(up|down)_proj.*",
 ]
+
+
+ARCHITECTURES = {"kimi_k3": "KimiK3ForConditionalGeneration", "kimi_k31": "KimiK31ForConditionalGeneration"}
+# Kimi K3.1's text_config.dsa_config, as vLLM 0.34's KimiLinearDSAConfig reads it (docs/models.md)
+K31_DSA = {"index_topk": 2048, "index_head_dim": 64, "index_num_heads": 16, "index_rope_dim": 0,
+           "index_k_norm_type": "rmsnorm", "indexer_use_fp8": False, "index_topk_freq": 1,
+           "index_skip_topk_offset": 1}
+
+
+class Draw(enum.Enum):
+    """How the expert weights are made; both give Student-t weights' MXFP4 codes and scales."""
+    WEIGHTS = "weights"  # draw each weight, encode each tensor: the bytes the tests were written against
+    GROUPS = "groups"    # encode one pool of Student-t groups, sample groups (and signs) from it: ~10x faster
+
+
+POOL_GROUPS = 1 << 16  # groups of 32 in the pool: 2M weights, every E2M1 code and ~15 scale bytes
 
 
 @dataclass(frozen=True)
@@ -38,10 +57,19 @@ class FixtureSpec:
     vocab: int = 512
     seed: int = 0
     keep_modules: bool = False  # cut only between modules (each packed tensor beside its scale)
+    model_type: str = "kimi_k3"  # or "kimi_k31": Kimi K3.1's config (its DSA block), the same experts
+    draw: Draw = Draw.WEIGHTS
 
     @classmethod
     def real_dims(cls, **kw) -> "FixtureSpec":
-        return cls(**{"hidden": 1024, "inter": 3072, "latent": 3584, **kw})
+        return cls(**{"hidden": 1024, "inter": 3072, "latent": 3584, "draw": Draw.GROUPS, **kw})
+
+    @classmethod
+    def demo(cls, **kw) -> "FixtureSpec":
+        """The smallest K3 shape the launch README teaches passes (vllm-rocm-plugin, TP 8 + EP):
+        256 intermediate per rank at TP 8 (vLLM's KimiMoE pads less to 256 and fails) and a
+        latent of a multiple of 128 (the plugin's kernel tiles); 8 experts, one per rank."""
+        return cls(**{"inter": 2048, "latent": 256, "draw": Draw.GROUPS, **kw})
 
 
 def config(spec: FixtureSpec) -> dict:
@@ -64,7 +92,9 @@ def config(spec: FixtureSpec) -> dict:
         "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
         "quantization_config": quant,
     }
-    return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"],
+    if spec.model_type == "kimi_k31":   # every MoE layer's attention sparse (1-based layer numbers)
+        text["dsa_config"] = {**K31_DSA, "dsa_layers": list(range(2, spec.layers + 1))}
+    return {"model_type": spec.model_type, "architectures": [ARCHITECTURES[spec.model_type]],
             "text_config": text, "torch_dtype": "bfloat16"}
 
 
@@ -84,6 +114,9 @@ def _tensors(spec: FixtureSpec) -> Iterator[tuple[str, tuple[int, int], str]]:
         yield f"{p}.input_layernorm.weight", (1, h), "bf16"
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             yield f"{p}.self_attn.{proj}.weight", (h, h), "bf16"
+        if spec.model_type == "kimi_k31" and layer > 0:   # the DSA indexer of K3.1's sparse layers
+            for name, shape in (("wq_b", (64, h)), ("wk", (64, h)), ("weights_proj", (16, h)), ("k_norm", (1, 64))):
+                yield f"{p}.self_attn.indexer.{name}.weight", shape, "bf16"
         if layer == 0:
             for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
                 yield f"{p}.mlp.{proj}.weight", shape, "bf16"
@@ -133,7 +166,7 @@ def _shard_of(tensors: list[OutTensor], spec: FixtureSpec) -> list[int]:
         out.append(out[-1] if glued else min(spec.shards - 1, seen * spec.shards // total))
         seen += t.nbytes if e else 0
     if sorted(set(out)) != list(range(spec.shards)):
-        raise ValueError(f"{spec.shards} shards do not fit these tensor sizes: some shard would be empty")
+        raise BadInput(f"{spec.shards} shards do not fit these tensor sizes: some shard would be empty")
     return out
 
 
@@ -157,8 +190,17 @@ def make_fixture(dst: str, spec: FixtureSpec = FixtureSpec(), encoder: Encoder =
     ``device="cuda"`` draws and encodes the weights on a GPU: tens of GB in a minute.
     ``progress`` is told the bytes of each tensor written (a real-dims fixture takes minutes on a CPU).
     """
-    os.makedirs(dst, exist_ok=True)
+    new_folder(dst, "make-fixture writes only into a new or empty directory")  # never over a checkpoint (T5)
+    try:
+        return _write(dst, spec, encoder, device, progress)
+    except OSError as e:  # a full disk or TMPDIR (demo): one line, exit 4, not a traceback (T14)
+        raise OutputError(f"cannot write the fixture: {e.strerror}", file=e.filename or dst) from None
+
+
+def _write(dst: str, spec: FixtureSpec, encoder: Encoder, device: str,
+           progress: Callable[[int], None] | None) -> list[str]:
     gen = torch.Generator(device).manual_seed(spec.seed)
+    pool = _Pool(gen, encoder) if spec.draw is Draw.GROUPS else None
     entries = list(_tensors(spec))
     outs = [_out_tensor(*e) for e in entries]
     shard_of = _shard_of(outs, spec)
@@ -169,11 +211,12 @@ def make_fixture(dst: str, spec: FixtureSpec = FixtureSpec(), encoder: Encoder =
     try:
         for (name, (rows, cols), kind), out, shard in zip(entries, outs, shard_of):
             if kind == "bf16":
-                data = _student_t(gen, rows, cols).to(torch.bfloat16).view(torch.uint8)
+                data = (pool.bf16(rows, cols) if pool else _student_t(gen, rows, cols).to(torch.bfloat16)
+                        ).view(torch.uint8)
             elif name in scales:
                 data = scales.pop(name)
             else:  # the first of the pair to be written draws the weight and encodes both
-                packed, scale = encoder(_student_t(gen, rows, cols) * 0.02)
+                packed, scale = pool.experts(rows, cols) if pool else encoder(_student_t(gen, rows, cols) * 0.02)
                 data, scales[name] = (packed, scale) if kind == "packed" else (scale, packed)
             writers[shard].write(out.name, data.cpu().numpy())
             if progress:
@@ -202,3 +245,39 @@ def _student_t(gen: torch.Generator, rows: int, cols: int) -> torch.Tensor:
     dev = gen.device
     chi2 = sum(torch.empty(rows, cols, device=dev).exponential_(0.5, generator=gen) for _ in range(2))
     return torch.randn(rows, cols, generator=gen, device=dev) / torch.sqrt(chi2 / 4)
+
+
+class _Pool:
+    """Draw.GROUPS: MXFP4 groups of Student-t weights, encoded once, sampled per tensor.
+
+    A tensor of independent Student-t weights is a sequence of independent groups of 32, so
+    sampling encoded groups, each weight's sign at random (the distribution is symmetric), gives
+    the code and scale histograms of encoding the tensor, at the cost of a gather: Draw.WEIGHTS
+    spends ~2.4 s per real-dims expert tensor on a CPU drawing and encoding. The bf16 tensors
+    (copied by the converter, never quantized) are sampled from a pool of Student-t values too.
+    """
+
+    def __init__(self, gen: torch.Generator, encoder: Encoder) -> None:
+        self.gen = gen
+        packed, self.scales = encoder(_student_t(gen, POOL_GROUPS, 32) * 0.02)  # [P, 16], [P, 1]
+        self.packed = packed.contiguous().view(torch.int64)  # [P, 2]: a group is two words
+        self.values = _student_t(gen, 1, 1 << 16).to(torch.bfloat16).reshape(-1)
+
+    def _words(self, n: int) -> torch.Tensor:
+        """``n`` random int64 words, every bit fair (the cheapest random bytes torch draws)."""
+        return torch.empty(n, dtype=torch.int64, device=self.gen.device).random_(-2 ** 63, None, generator=self.gen)
+
+    def experts(self, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = rows * cols // 32
+        pick = torch.randint(POOL_GROUPS, (n,), generator=self.gen, device=self.gen.device)
+        signs = self._words(2 * n).view(n, 2) & _SIGN_BITS
+        packed = (self.packed.to(pick.device)[pick] ^ signs).view(torch.uint8).reshape(rows, cols // 2)
+        return packed, self.scales.to(pick.device)[pick].reshape(rows, cols // 32)
+
+    def bf16(self, rows: int, cols: int) -> torch.Tensor:
+        n = rows * cols
+        pick = self._words((n + 3) // 4).view(torch.int16)[:n].long() & 0xFFFF  # four 16-bit picks a word
+        return self.values.to(pick.device)[pick].reshape(rows, cols)
+
+
+_SIGN_BITS = int.from_bytes(b"\x88" * 8, "little", signed=True)  # E2M1's sign bit, in each of 16 codes

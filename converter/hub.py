@@ -3,35 +3,37 @@ model card that states what a server must know (int4 g32 symmetric, the expert a
 the config states it), then upload. The card is ours: the source's README.md is kept beside it
 as README.source.md (converter.plan) and never published as the int4 model's card.
 
-The upload goes through huggingface_hub's resumable large-folder path: ``upload_folder`` where
-the installed version streams it (``huggingface_hub._upload_pipeline``: multi-commit, resumable
-by re-running when hf_xet is installed; from then on ``upload_large_folder`` is deprecated and
-prints a banner), else ``upload_large_folder`` where it exists (0.x, early 1.x), else
-``upload_folder``. Either way re-running the same command resumes an interrupted upload.
+Once DST verifies, the token is checked (``whoami``), before anything is written or hashed.
+Then every file is read once and checked against the manifest's size and digest
+(``converter.publish``), and sent with huggingface_hub's operation API: ``preupload_lfs_files`` uploads the large files (through
+hf_xet where installed, else LFS), the SHA-256 it computed of what it sent is compared with the
+one checked, and only then ``create_commit`` makes one commit; small files are committed from
+the bytes that were checked. Re-running the same command resumes: what the Hub already holds
+is not sent again. (``upload_folder``/``upload_large_folder`` read DST on their own, after any
+check of ours, and commit as they go: a changed byte would be published, and a partial upload
+would show as a partial model.)
 
 While it reads DST the upload holds DST's read lock (``manifest.reading``): a run that would
 change DST (a redo, ``--overwrite``, finalize) is refused meanwhile, and an upload is refused
-while such a run holds it, so what is sent is what verify accepted.
+while such a run holds it. Any other writer is caught by the checks above.
 """
 from __future__ import annotations
 
-import glob
-import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import __version__
+from . import __version__, publish
 from .errors import BadInput, ConvertError, OutputError, VerifyFailed
 from .formats import checkpoint as ckpt
-from .manifest import MANIFEST, STATE_DIR, atomic_write, read_json, reading
+from .formats import json_input
+from .manifest import MANIFEST, atomic_write, read_json, reading
 from .outputs import accepted, listing
 from .plan import README_SOURCE
-from .safepath import read_regular
+from .safepath import open_regular, read_regular
 from .verify import REPORT, verify
 
-IGNORE = [f"{STATE_DIR}/**", "*.partial"]  # never sent either way: what is sent is named (allow_patterns)
 README = "README.md"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -42,9 +44,9 @@ class UploadResult:
     revision: str | None
     files: list[tuple[str, int]]      # (path in repo, bytes), what is (or would be) sent
     dry_run: bool
-    readme: str                       # "written", "kept" (the user's own) or "would write"
+    readme: str                       # "written", "kept" (the user's own), "would write" or NOT_WRITTEN
     card: str | None = None           # the model card written (or that would be)
-    method: str | None = None         # the HfApi method used
+    method: str | None = None         # the HfApi method that committed
     url: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -223,23 +225,6 @@ def _source_card(dst: str, theirs: bytes | None) -> bool:
 
 # --------------------------------------------------------------------------- upload
 
-def streams_upload_folder() -> bool:
-    """Whether the installed huggingface_hub's ``upload_folder`` is its streamed, multi-commit,
-    resumable path (``_upload_pipeline``; 1.3x on), which it then recommends over the deprecated
-    ``upload_large_folder``. Decided by what the installed code holds, not by its warning."""
-    try:
-        return importlib.util.find_spec("huggingface_hub._upload_pipeline") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def upload_method(api: Any) -> str:
-    """The HfApi method that sends a large folder resumably with the installed huggingface_hub."""
-    if streams_upload_folder() and hasattr(api, "upload_folder") or not hasattr(api, "upload_large_folder"):
-        return "upload_folder"
-    return "upload_large_folder"
-
-
 CARD_LINES = 24  # lines of the model card `upload --dry-run` shows
 
 
@@ -276,40 +261,72 @@ def _xet_available() -> bool:
     return bool(is_xet_available())
 
 
+NOT_WRITTEN = "sent, not written to DST (DST is read-only)"
+
+
+def _manifest(dst: str) -> tuple[dict, bytes]:
+    """DST's manifest, parsed from the bytes that are published with it."""
+    manifest, data = None, None
+    if os.path.isdir(dst):
+        try:
+            with os.fdopen(open_regular(os.path.join(dst, MANIFEST), missing_ok=True), "rb") as f:
+                data = f.read()
+            manifest = json_input.loads(data.decode(), constants=True)
+        except FileNotFoundError:
+            pass
+        except (ConvertError, OSError, ValueError, UnicodeDecodeError):  # a FIFO or device too
+            raise BadInput(f"{MANIFEST} is not valid JSON", file=dst) from None
+    if data is None:
+        raise BadInput(f"no {MANIFEST}: not a k3convert output directory", file=dst)
+    if not isinstance(manifest, dict):
+        raise BadInput(f"{MANIFEST} is not valid JSON", file=dst)
+    return manifest, data
+
+
 def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | None = None, dry_run: bool = False,
            token: str | None = None, verify_checksums: bool = False, base: str | None = None,
            endpoint: str | None = None, api: Any = None) -> UploadResult:
     """Check DST, write its model card if it has none, and upload it to ``repo_id`` (a model repo).
 
-    Refuses (VerifyFailed, exit 5) unless the manifest says complete and the structural checks
-    pass; OutputError (exit 4) while a run changes DST (its read lock). ``dry_run``: only list
-    what would be sent; nothing is written, nothing is sent, no lock is taken.
+    Refuses (VerifyFailed, exit 5) unless the manifest says complete, the structural checks
+    pass and every file's bytes are the manifest's (read once, and those bytes are what is
+    committed); BadInput (exit 2) for a missing or refused token, checked once DST verifies and
+    before anything is written or hashed; OutputError (exit 4) while a run changes DST (its read
+    lock) or when the Hub cannot be reached. ``dry_run``: only list what would be sent; nothing
+    is written, nothing is sent, no lock is taken, and shards are hashed only with
+    ``verify_checksums``.
     """
     dst = os.path.abspath(dst)
     if not _REPO_ID.match(repo_id):
         raise BadInput(f"repo id {repo_id!r} is not of the form owner/name")
-    try:
-        manifest = read_json(os.path.join(dst, MANIFEST)) if os.path.isdir(dst) else None
-    except ConvertError:
-        raise BadInput(f"{MANIFEST} is not valid JSON", file=dst) from None
-    if manifest is None:
-        raise BadInput(f"no {MANIFEST}: not a k3convert output directory", file=dst)
+    manifest, manifest_bytes = _manifest(dst)
     if manifest.get("complete") is not True:
         raise VerifyFailed(f"the manifest says the conversion is not complete (status {manifest.get('status')!r}): "
                            "finish it before uploading", file=dst)
     if dry_run:  # nothing written, nothing sent: what it lists is a snapshot, no lock needed
-        return _checked(dst, manifest, repo_id, revision, True, verify_checksums, base)
-    with reading(dst):  # DST unchanged from verify to the last byte sent (S14)
-        result = _checked(dst, manifest, repo_id, revision, False, verify_checksums, base)
-        _send(result, dst, private, token, endpoint, api)
+        return _with_card(dst, *_verified(dst, manifest, True, verify_checksums), repo_id, revision, True, base)
+    if api is None:
+        from huggingface_hub import HfApi
+        api = HfApi(endpoint=endpoint, token=token)
+    with reading(dst):  # DST unchanged by our own runs from verify to the last byte sent (S14)
+        # the shards' digests are checked below, as they are read for sending: not twice
+        verified = _verified(dst, manifest, False, False)  # a broken DST is refused offline
+        _authorize(api)  # before the card is written and hours of hashing (issue 33 §3)
+        result = _with_card(dst, *verified, repo_id, revision, False, base)
+        in_memory = {MANIFEST: manifest_bytes}
+        readme = result.card.encode() if result.card is not None else _read_regular(os.path.join(dst, README))
+        if readme is None:
+            raise OutputError("README.md cannot be read", file=dst)
+        in_memory[README] = readme
+        checked = publish.check(dst, [p for p, _ in result.files], manifest, in_memory)  # T1
+        _send(result, dst, checked, private, api)
     if private:
         result.notes.append("an existing repository keeps its visibility: --private applies to a new one")
     return result
 
 
-def _checked(dst: str, manifest: dict, repo_id: str, revision: str | None, dry_run: bool,
-             verify_checksums: bool, base: str | None) -> UploadResult:
-    """Verify DST and write (or, dry, compose) its card: what the upload sends, by name and size."""
+def _verified(dst: str, manifest: dict, dry_run: bool, verify_checksums: bool) -> tuple[Any, bytes | None]:
+    """DST verified (VerifyFailed otherwise), and the source's card as read (None: none)."""
     readme_path = os.path.join(dst, README)
     src = (manifest.get("source") or {}).get("path")
     theirs = _read_regular(os.path.join(src, README)) if isinstance(src, str) and src else None  # read once
@@ -321,47 +338,90 @@ def _checked(dst: str, manifest: dict, repo_id: str, revision: str | None, dry_r
     # the publishing gate: the config's selection decided by compressed-tensors' own matcher too
     verified = verify(dst, checksums=verify_checksums, loader_matcher=True)
     verified.raise_if_failed()  # only regular files pass (a FIFO README.md included: S16)
+    return verified, theirs
+
+
+def _with_card(dst: str, verified: Any, theirs: bytes | None, repo_id: str, revision: str | None, dry_run: bool,
+               base: str | None) -> UploadResult:
+    """Write (or, dry or on a read-only DST, compose) DST's card: what the upload sends, by name and size."""
+    readme_path = os.path.join(dst, README)
     files = _sized(dst, [p for p in verified.files if p != README])  # exactly what verify accepted
     card = None
     if README in verified.files and not _source_card(dst, theirs):
         readme = "kept"
     else:
         card = model_card(dst, base, repo_id)
-        readme = "would write" if dry_run else "written"
-        if not dry_run:
+        if dry_run:
+            readme = "would write"
+        elif not os.access(dst, os.W_OK):  # read-only storage (T17): published from memory
+            readme = NOT_WRITTEN
+        else:
+            readme = "written"
             atomic_write(readme_path, card.encode())
     size = len(card.encode()) if card is not None else os.path.getsize(readme_path)
     return UploadResult(repo_id, revision, sorted(files + [(README, size)]), dry_run, readme, card)
 
 
-def _send(result: UploadResult, dst: str, private: bool, token: str | None, endpoint: str | None,
-          api: Any) -> None:
-    """Create the repository (and branch) and send exactly ``result.files``; a Hub or network
-    failure is one line (ConvertError) saying how to resume."""
-    if api is None:
-        from huggingface_hub import HfApi
-        api = HfApi(endpoint=endpoint, token=token)
+def _network(e: BaseException) -> bool:
+    """Whether ``e`` is the network's (a refused connection, a timeout, offline mode), not the Hub's answer."""
     from huggingface_hub.errors import HfHubHTTPError
-    repo_id, revision = result.repo_id, result.revision
-    allow = [glob.escape(p) for p, _ in result.files]  # by exact name: nothing verify did not accept
+
+    module = type(e).__module__.split(".")[0]
+    return not isinstance(e, HfHubHTTPError) and (module in ("httpx", "httpx2", "requests", "urllib3")
+                                                  or isinstance(e, OSError))
+
+
+def _authorize(api: Any) -> None:
+    """The token, checked with the Hub before anything is hashed or sent: missing or refused is
+    exit 2, a read-only token too; the Hub out of reach is exit 4, with the cause."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
+
+    endpoint = getattr(api, "endpoint", None) or "the Hub"
+    login = "log in with `hf auth login`, set HF_TOKEN, or pass --token"
     try:
-        result.url = str(api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True))
-        if revision and revision != "main":
-            api.create_branch(repo_id, repo_type="model", branch=revision, exist_ok=True)
-        result.method = upload_method(api)
-        if result.method == "upload_large_folder":  # before the streamed upload_folder: its resumable path
-            api.upload_large_folder(repo_id=repo_id, folder_path=dst, repo_type="model", revision=revision,
-                                    private=private, allow_patterns=allow, ignore_patterns=IGNORE)
-        else:
-            if not _xet_available():
-                result.notes.append("hf_xet is not installed (or HF_HUB_DISABLE_XET is set): upload_folder made a "
-                                    "single commit, which does not resume; `pip install hf_xet` for large uploads")
-            api.upload_folder(repo_id=repo_id, folder_path=dst, repo_type="model", revision=revision,
-                              allow_patterns=allow, ignore_patterns=IGNORE,
-                              commit_message=f"int4 group-32 experts converted by k3convert {__version__}")
-    except Exception as e:  # the Hub or the network: one line and how to resume; anything else is a bug
-        network = type(e).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3")
-        if not (isinstance(e, (HfHubHTTPError, OSError, ValueError)) or network):
-            raise
-        raise ConvertError(f"upload to {repo_id} failed: {one_line(e)}. Run the same command again to resume") \
-            from None
+        who = api.whoami()
+    except LocalTokenNotFoundError:
+        raise BadInput(f"no Hugging Face token: {login}") from None
+    except Exception as e:
+        if isinstance(e, HfHubHTTPError) and getattr(e.response, "status_code", None) == 401:
+            raise BadInput(f"the Hub refused the token ({one_line(e)}): {login}") from None
+        if _network(e):
+            raise OutputError(f"cannot reach {endpoint}: {one_line(e)}") from None
+        if isinstance(e, (HfHubHTTPError, ValueError)):
+            raise ConvertError(f"cannot check the token with {endpoint}: {one_line(e)}") from None
+        raise
+    token = ((who or {}).get("auth") or {}).get("accessToken") or {}
+    if token.get("role") == "read":
+        name = f" {token['displayName']!r}" if isinstance(token.get("displayName"), str) else ""
+        raise BadInput(f"the token{name} is read-only: upload needs a write token; {login}")
+
+
+def _send(result: UploadResult, dst: str, checked: list[publish.Checked], private: bool, api: Any) -> None:
+    """Create the repository (and branch), upload exactly ``checked`` and commit it once, after
+    each large file's SHA-256 as sent is found to be the one checked (``publish.confirm``). A
+    Hub failure is one line saying how to resume (exit 1); the network's is exit 4."""
+    repo_id, revision = result.repo_id, result.revision
+
+    def hub(step):
+        try:
+            return step()
+        except Exception as e:  # the Hub or the network: one line and how to resume; anything else is a bug
+            from huggingface_hub.errors import HfHubHTTPError
+            if not isinstance(e, (HfHubHTTPError, ValueError)) and not _network(e):
+                raise
+            error = OutputError if _network(e) else ConvertError
+            raise error(f"upload to {repo_id} failed: {one_line(e)}. Run the same command again to resume") \
+                from None
+
+    result.url = str(hub(lambda: api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)))
+    if revision and revision != "main":
+        hub(lambda: api.create_branch(repo_id, repo_type="model", branch=revision, exist_ok=True))
+    ops = publish.operations(dst, checked)
+    if not _xet_available():
+        result.notes.append("hf_xet is not installed (or HF_HUB_DISABLE_XET is set): files went by the LFS "
+                            "protocol, which resumes file by file; `pip install hf_xet` for large uploads")
+    hub(lambda: api.preupload_lfs_files(repo_id, additions=ops, repo_type="model", revision=revision))
+    publish.confirm(checked, ops)  # T2: what the commit names is what was checked
+    hub(lambda: api.create_commit(repo_id, operations=ops, repo_type="model", revision=revision,
+                                  commit_message=f"int4 group-32 experts converted by k3convert {__version__}"))
+    result.method = "create_commit"

@@ -6,12 +6,14 @@ leaves either the old or the new version. DST is complete exactly when the manif
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import stat
-from typing import Any, BinaryIO, Callable, Collection
+from typing import Any, BinaryIO, Callable, Collection, Iterable
 
 import zstandard
 
@@ -119,7 +121,33 @@ def commit(staged: list[tuple[str, str]], undo: Collection[str] = ()) -> int:
             if path in undo:
                 discard(path)
         raise
+    sync_folders(os.path.dirname(path) for _, path in staged)
     return done
+
+
+def sync_folders(folders: Iterable[str]) -> None:
+    """Make renames into ``folders`` durable: a rename is a change of its folder, which the
+    files' own fsync does not write; without this a power loss right after "complete" (the
+    process then leaves through ``os._exit``) can leave DST without its manifest (T16). Each
+    folder once, in the order given (the manifest's, DST, last)."""
+    seen: list[str] = []
+    for d in folders:
+        d = d or "."
+        if d in seen:
+            seen.remove(d)
+        seen.append(d)
+    for d in seen:
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise OutputError(f"cannot open the folder to sync it: {e.strerror}", file=d) from None
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP):  # a file system without directory fsync
+                raise OutputError(f"cannot sync the folder: {e.strerror}", file=d) from None
+        finally:
+            os.close(fd)
 
 
 def atomic_write(path: str, data: bytes) -> None:
@@ -254,9 +282,28 @@ def _read_lock(dst: str, how: int, busy: str):
 
 
 def reading(dst: str):
-    """Hold DST unchanged while it is read (upload): shared with other readers."""
-    return _read_lock(dst, fcntl.LOCK_SH, "a k3convert run is changing it (a redo, --overwrite or finalize): "
-                                          "upload it when that run has finished")
+    """Hold DST unchanged while it is read (upload): shared with other readers. A DST we cannot
+    write (a read-only mount, someone else's published snapshot) gets no lock file of ours (T17):
+    its ``read.lock``, if it has one, is taken through a read-only descriptor (flock needs no
+    write access), else no lock is taken. Either way upload commits only bytes it checked
+    against the manifest (converter.publish), lock or not."""
+    busy = "a k3convert run is changing it (a redo, --overwrite or finalize): upload it when that run has finished"
+    if os.access(dst, os.W_OK):
+        return _read_lock(dst, fcntl.LOCK_SH, busy)
+    state = os.path.join(dst, STATE_DIR)
+    if os.path.islink(state):
+        raise OutputError(f"{STATE_DIR} is a symlink: refusing to lock through it", file=dst)
+    path = os.path.join(state, READ_LOCK)
+    try:
+        f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK), "rb")
+    except FileNotFoundError:
+        return contextlib.nullcontext()
+    except OSError as e:
+        raise OutputError(f"cannot open lock file ({e.strerror}; a symlink is refused)", file=path) from None
+    if not _flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB):
+        f.close()
+        raise OutputError(busy, file=dst)
+    return f
 
 
 def writing(dst: str):

@@ -27,9 +27,9 @@ from .digest import ALGORITHM as DIGEST_ALGORITHM, bytes_digest, file_digest
 from .errors import BadInput, Interrupted, OutputError, ThresholdExceeded
 from .formats import checkpoint as ckpt
 from .formats.dialect import TARGET_FORMAT
-from .manifest import (LOCKS, MANIFEST, MANIFEST_LOCK, REPORT, RUN_LOCK, STATE_DIR, TENSOR_TABLE, DstLock, ShardLocks,
-                       commit, copy_current, discard, file_fingerprint, json_bytes, read_json, read_rows, rows_bytes,
-                       stage, stage_copy, state_file, write_json, write_rows, writing)
+from .manifest import (LOCKS, MANIFEST, MANIFEST_LOCK, READ_LOCK, REPORT, RUN_LOCK, STATE_DIR, TENSOR_TABLE, DstLock,
+                       ShardLocks, commit, copy_current, discard, file_fingerprint, json_bytes, read_json, read_rows,
+                       rows_bytes, stage, stage_copy, state_file, write_json, write_rows, writing)
 from .outputs import expected
 from .profiles import MAX_EXPERTS
 from .sources import config_identity, content_change, hint, profile_argument, profile_identity, shard_identity
@@ -37,6 +37,7 @@ from .plan import TEMPORARY, Plan, ShardPlan, build_plan, side_file_target
 from .safepath import contains, dest_file, lock_file
 from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, OPTIMA, RULES as SCALE_RULES, recorded_rule
 from .validate import TensorFigures, error_ratio, layer_summary, mean, ratio_line
+from .whole import whole
 from .workers import Task, Workers, cpu_workers, raise_error
 
 
@@ -56,6 +57,7 @@ class Options:
     drop_activation_quant: bool = False  # convert a source that also quantizes activations, weight-only
     inline: bool | None = None        # one worker in this process [default: when torch is imported here]
     scale_rule: str = SCALE_RULE_DEFAULT  # --scale-rule: optimal | optimal-pm7 | vllm-gfx942 (quant/rules.py)
+    fp8_bf16_tp: int | None = None    # --fp8-bf16-at-tp N: FP8 linears vLLM refuses at TP N written as bf16
 
     def identity(self) -> dict[str, Any]:
         """Every option that changes what DST holds or whether it is complete: what must match for a
@@ -63,7 +65,8 @@ class Options:
         return {"version": __version__, "sample_experts": self.sample_experts,
                 "profile": profile_identity(self.profile),  # what the profile is, not where it was found
                 "drop_activation_quant": self.drop_activation_quant, "scale_rule": self.scale_rule,
-                "max_rel_rmse": self.max_rel_rmse}
+                "max_rel_rmse": self.max_rel_rmse,
+                **({"fp8_bf16_tp": self.fp8_bf16_tp} if self.fp8_bf16_tp is not None else {})}
 
     @classmethod
     def recorded(cls, identity: Mapping[str, Any]) -> "Options":
@@ -71,10 +74,11 @@ class Options:
         return cls(profile=profile_argument(identity.get("profile")),
                    drop_activation_quant=bool(identity.get("drop_activation_quant")),
                    scale_rule=recorded_rule(identity), sample_experts=identity.get("sample_experts", 4),
-                   max_rel_rmse=identity.get("max_rel_rmse", Options.max_rel_rmse))
+                   max_rel_rmse=identity.get("max_rel_rmse", Options.max_rel_rmse),
+                   fp8_bf16_tp=identity.get("fp8_bf16_tp"))
 
     def plan(self, src: str) -> Plan:
-        return build_plan(src, self.profile, self.drop_activation_quant)
+        return build_plan(src, self.profile, self.drop_activation_quant, self.fp8_bf16_tp)
 
     def check(self) -> None:
         """Refuse option values that would silently turn a check off (``nan`` compares false)."""
@@ -84,16 +88,26 @@ class Options:
         n = self.sample_experts
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_EXPERTS:
             raise BadInput(f"--sample-experts {n!r}: expected a whole number from 0 to {MAX_EXPERTS}")
+        t = self.fp8_bf16_tp
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise BadInput(f"--fp8-bf16-at-tp {t!r}: expected a whole number >= 1")
         if self.scale_rule not in SCALE_RULES:
             raise BadInput(f"--scale-rule {self.scale_rule!r}: expected one of {', '.join(SCALE_RULES)}")
 
 
 def _compared(identity: Mapping[str, Any]) -> dict[str, Any]:
-    """An identity as compared: without who recorded it, the hints, and where the profile was found."""
+    """An identity as compared: without who recorded it, the hints, where the profile was found,
+    and the source shards' mtimes. An mtime says when a copy was made, not what it holds (a job
+    array's per-node copies of SRC, T9): like the inode and ctime it is a hint, and where it moved
+    the finished shards' content is compared with the digests recorded (``source_change``)."""
     out = {k: v for k, v in identity.items() if k not in (_WHO, HINTS)}
     prof = (out.get("options") or {}).get("profile")
     if isinstance(prof, dict):
         out["options"] = {**out["options"], "profile": {k: v for k, v in prof.items() if k != "file"}}
+    shards = out.get("shards")
+    if isinstance(shards, dict):
+        out["shards"] = {n: {k: v for k, v in i.items() if k != "mtime_ns"} if isinstance(i, dict) else i
+                         for n, i in shards.items()}
     return out
 
 
@@ -133,14 +147,14 @@ def plan_workers(options: Options, shards: int | None = None) -> tuple[list[str]
     ``shards`` (to convert) caps ``--workers auto``."""
     devices = options.devices
     for d in devices or []:
-        if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
+        if d != "cpu" and not (d.startswith("cuda:") and whole(d[5:]) is not None and d[5:].strip() == d[5:]):
             raise BadInput(f"--devices: {d!r} is not cpu or cuda:N (ROCm GPUs are cuda:N too)")
     if devices and "cpu" in devices and len(devices) > 1:
         raise BadInput("--devices: use either cpu (with --workers) or GPUs, not both")
     if devices and devices != ["cpu"]:
         n = gpu_count()
         for d in devices:
-            if int(d[5:]) >= n:
+            if whole(d[5:]) >= n:
                 raise BadInput(f"--devices: {d} is not a visible GPU ("
                                + (f"{n} visible: cuda:0-{n - 1})" if n else "none is: no CUDA or ROCm driver found)"))
     if devices is None and (n := gpu_count()):
@@ -167,19 +181,24 @@ def shard_count(src: str, options: Options) -> int | None:
 
 def select_shards(names: list[str], spec: str | None = None, part: str | None = None) -> list[str]:
     """``--shards 3,5-9`` (1-based, in file-name order) and/or ``--part i/n`` (round robin).
-    None selects every shard; an empty value selects none, which is refused (a job file's or a
-    script's empty variable must not turn into "all")."""
+    None selects every shard; a selection of no shard is refused, whatever made it empty (an
+    empty value, ``--shards 1`` with ``--part 2/3``, more parts than shards): a job file's or a
+    script's empty variable must neither turn into "all" nor into a run that converts nothing
+    and exits 0. Numbers are ASCII digits (``whole``); a range needs both ends (``2-`` is
+    refused, not read as 2 alone or as 2 to the end: docs/decisions.md)."""
     chosen = list(names)
     if spec is not None:
         if not spec.strip():
             raise BadInput(f"--shards {spec!r}: selects no shard (expected N or N-M, comma-separated)")
         idx: set[int] = set()
         for tok in spec.split(","):
-            a, _, b = tok.strip().partition("-")
-            try:
-                lo, hi = int(a), int(b or a)
-            except ValueError:
-                raise BadInput(f"--shards: {tok!r} is not N or N-M") from None
+            a, dash, b = tok.strip().partition("-")
+            lo, hi = whole(a), whole(b) if dash else whole(a)
+            if dash and a.strip() and not b.strip():
+                raise BadInput(f"--shards: {tok!r} has no end: write {a.strip()}-{len(names)} for shard "
+                               f"{a.strip()} to the last")
+            if lo is None or hi is None:
+                raise BadInput(f"--shards: {tok!r} is not N or N-M (ASCII digits)")
             if lo > hi:
                 raise BadInput(f"--shards: {tok!r} is reversed (write {hi}-{lo})")
             if not 1 <= lo <= hi <= len(names):
@@ -187,13 +206,18 @@ def select_shards(names: list[str], spec: str | None = None, part: str | None = 
             idx.update(range(lo, hi + 1))
         chosen = [n for i, n in enumerate(names, 1) if i in idx]
     if part is not None:
-        try:
-            i, n = (int(x) for x in part.split("/"))
-        except ValueError:
-            raise BadInput(f"--part: {part!r} is not i/n") from None
+        i_s, slash, n_s = part.partition("/")
+        i, n = whole(i_s), whole(n_s)
+        if not slash or i is None or n is None:
+            raise BadInput(f"--part: {part!r} is not i/n (ASCII digits)")
         if not 1 <= i <= n:
             raise BadInput(f"--part: {part!r} needs 1 <= i <= n")
         chosen = [c for c in chosen if names.index(c) % n == i - 1]
+        if not chosen:
+            given = f"--shards {spec} with " if spec is not None else ""
+            raise BadInput(f"{given}--part {part} selects no shard (of {len(names)}): "
+                           + ("the two selections do not meet" if spec is not None
+                              else f"use at most {len(names)} parts"))
     return chosen
 
 
@@ -260,8 +284,8 @@ def _who() -> dict[str, Any]:
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def _named(old: dict) -> str:
-    w = old.get(_WHO)
+def _named(old: Mapping[str, Any] | None) -> str:
+    w = old.get(_WHO) if old else None
     if not isinstance(w, dict):
         return "an earlier run"
     return f"the run of pid {w.get('pid')} on {w.get('host')} started {w.get('started_at')}"
@@ -281,13 +305,19 @@ def _wipe(dst: str) -> None:
             _remove(_state(dst, name))
 
 
-def _clean_temporaries(dst: str) -> None:
-    """Drop what killed runs left (``*.tmpPID``, ``*.partial``): only called with no other run
-    using DST, so none of it can be work in progress."""
-    for d, _, files in os.walk(dst):
-        for f in files:
-            if TEMPORARY.search(f):
-                os.unlink(os.path.join(d, f))
+def _clean_temporaries(dst: str, plan: Plan, options: Options) -> None:
+    """Drop what killed runs left: only called with no other run using DST, so none of it can be
+    work in progress. Only this tool's own temporaries: anything in its state folder, and in DST
+    ``NAME.partial`` of a shard and ``NAME.tmpPID`` of a file a run writes there (the plan's
+    outputs, what the manifest records as written, the manifest itself). A user's
+    ``notes/eval.tmp`` or ``run.partial`` is theirs (T4)."""
+    state = _state(dst)
+    for f in os.listdir(state):
+        if TEMPORARY.search(f):
+            discard(os.path.join(state, f))
+    want = expected(plan, options.scale_rule)
+    ours = want.names | set(DERIVED) | {MANIFEST} | _recorded_files(dst)
+    _clean_dead_temporaries(dst, [s.name for s in plan.shards], ours)
 
 
 def _reopen(dst: str) -> None:
@@ -303,57 +333,119 @@ DERIVED = (ckpt.INDEX, "config.json", REPORT, TENSOR_TABLE)  # written by finali
 
 
 def _reset_complete(dst: str) -> None:
-    """If the manifest says complete, make it say partial, then remove what finalize derives
-    (``DERIVED``): meanwhile no loader takes DST for a checkpoint, and no report describes
-    shards that may go. Called with manifest.lock held."""
+    """If the manifest says complete (or cannot be read, so may), make it say partial (an unreadable
+    one is removed: finalize writes it anew), then remove what finalize derives (``DERIVED``):
+    meanwhile no loader takes DST for a checkpoint, and no report describes shards that may go.
+    Called with manifest.lock held."""
     path = os.path.join(dst, MANIFEST)
-    manifest = read_json(path)
-    if isinstance(manifest, dict) and manifest.get("complete") is not False:
+    try:
+        manifest = read_json(path)
+    except OutputError:  # corrupt: no advice to give, the run rewrites it (T13)
+        manifest = None
+        discard(path)
+        if os.path.lexists(path):
+            raise OutputError("is corrupt and cannot be removed", file=path) from None
+    else:
+        if not isinstance(manifest, dict) or manifest.get("complete") is False:
+            return
         manifest.update(complete=False, status="partial")
         manifest.pop("finished_at", None)
         write_json(path, manifest)
-        for name in DERIVED:
-            p = os.path.join(dst, name)
-            try:
-                if os.path.lexists(p):
-                    os.unlink(p)
-            except OSError as e:
-                raise OutputError(f"cannot remove: {e.strerror}", file=p) from None
+    for name in DERIVED:
+        p = os.path.join(dst, name)
+        try:
+            if os.path.lexists(p):
+                os.unlink(p)
+        except OSError as e:
+            raise OutputError(f"cannot remove: {e.strerror}", file=p) from None
 
 
 _FOREIGN = "exists, is not empty and holds no k3convert state: choose a new directory"
 
 
+def _entries(dst: str) -> list[str]:
+    """What DST holds besides our state folder."""
+    return [f for f in os.listdir(dst) if f != STATE_DIR]
+
+
 def _usable_dst(plan: Plan, dst: str) -> None:
-    """What refuses DST before anything of ours is put there (the run and --dry-run alike)."""
+    """What refuses DST before anything of ours is put there (the run and --dry-run alike): a
+    directory holding neither our state folder nor our manifest is someone else's."""
     if contains(plan.src, dst) or contains(dst, plan.src):
         raise OutputError(f"DST and SRC ({plan.src}) must not contain each other", file=dst)
     if os.path.exists(dst) and (not os.path.isdir(dst) or not os.access(dst, os.W_OK | os.X_OK)):
         raise OutputError("is not a writable directory", file=dst)
-    if os.path.isdir(dst) and not os.path.lexists(_state(dst)) and [f for f in os.listdir(dst) if f != STATE_DIR]:
+    if os.path.isdir(dst) and not os.path.lexists(_state(dst)) and not os.path.isfile(os.path.join(dst, MANIFEST)) \
+            and _entries(dst):
         raise OutputError(_FOREIGN, file=dst)  # (a run started at the same moment may just have made the
         # state folder: that one is not foreign)
 
 
-def judge_dst(plan: Plan, dst: str, options: Options, ident: Mapping[str, Any], old: Mapping[str, Any] | None
-              ) -> tuple[str | None, dict[str, Any]]:
-    """Whether DST (its recorded identity ``old``, None if none) continues this conversion: None, or
-    what differs, which --overwrite replaces (else refused, exit 4); and the source hints to record.
-    The one decision of the run and of --dry-run."""
+def recorded_identity(dst: str) -> tuple[dict | None, str | None]:
+    """DST's run.json (None when absent), or why it cannot be continued: unreadable (T13)."""
+    path = _state(dst, IDENTITY)
+    try:
+        old = read_json(path)
+    except OutputError:
+        return None, f"its run record {STATE_DIR}/{IDENTITY} is corrupt"
+    if old is not None and not isinstance(old, dict):
+        return None, f"its run record {STATE_DIR}/{IDENTITY} is not an object"
+    return old, None
+
+
+def _unrecorded(dst: str) -> str:
+    """Why a DST of ours without a run record cannot be continued, in words (T12, T13)."""
+    state = [f for f in os.listdir(_state(dst)) if f not in LOCKS] if os.path.isdir(_state(dst)) else []
+    if not state and os.path.isfile(os.path.join(dst, MANIFEST)):  # (locks: this run may just have made it)
+        return (f"a k3convert output without its {STATE_DIR} state folder, copied without it? "
+                "verify and upload take it as it is")
+    return f"no run record {STATE_DIR}/{IDENTITY}"
+
+
+def judge_dst(plan: Plan, dst: str, options: Options, ident: Mapping[str, Any], old: Mapping[str, Any] | None,
+              unreadable: str | None = None) -> tuple[str | None, dict[str, Any]]:
+    """Whether DST (its recorded identity ``old``, None if none; ``unreadable``: why that record
+    cannot be read) continues this conversion: None, or what differs, which --overwrite replaces
+    (else refused, exit 4); and the source hints to record. The one decision of the run and of
+    --dry-run. Every refusal's advice works when followed: output of ours that cannot be continued
+    (a corrupt or missing run record, a copy without the state folder) is replaced by --overwrite."""
+    hints = {s.name: hint(s.path) for s in plan.shards}
     if old is None:
-        if [f for f in os.listdir(dst) if f != STATE_DIR]:
-            raise OutputError(_FOREIGN, file=dst)
-        return None, {s.name: hint(s.path) for s in plan.shards}
+        if unreadable is None and not _entries(dst):
+            return None, hints
+        what = unreadable or _unrecorded(dst)
+        if not options.overwrite:
+            raise OutputError(f"holds k3convert output that cannot be continued ({what}): "
+                              "use --overwrite to replace it", file=dst)
+        return what, hints
     what = identity_difference(old, ident)
-    hints: dict[str, Any] = {}
     if what is None:
         what, hints = source_change(dst, plan, old)
-    if what is not None:
-        if not options.overwrite:
-            raise OutputError(f"holds a different conversion ({what}), recorded by {_named(old)}: "
-                              "use --overwrite to replace it", file=dst)
-        hints = {s.name: hint(s.path) for s in plan.shards}
+    if what is not None and not options.overwrite:
+        raise OutputError(f"holds a different conversion ({what}), recorded by {_named(old)}: "
+                          "use --overwrite to replace it", file=dst)
     return what, hints
+
+
+def _in_use(dst: str, what: str, old: Mapping[str, Any] | None) -> OutputError:
+    return OutputError(f"holds a different conversion ({what}) that another k3convert run is using "
+                       f"(recorded by {_named(old)}): refusing to replace it", file=dst)
+
+
+def _held(path: str) -> bool:
+    """Whether another process holds a flock on the lock file ``path`` (absent: no). Probed
+    exclusively without waiting and released at once; nothing is created."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
@@ -372,17 +464,16 @@ def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:
         raise OutputError(f"cannot write: {e.strerror}", file=dst) from None
     lock = DstLock(_state(dst))
     try:
-        old = read_json(_state(dst, IDENTITY))
-        what, hints = judge_dst(plan, dst, options, ident, old)
+        old, unreadable = recorded_identity(dst)
+        what, hints = judge_dst(plan, dst, options, ident, old, unreadable)
         if what is not None:
             if not lock.alone():
-                raise OutputError(f"holds a different conversion ({what}) that another k3convert run is using "
-                                  f"(recorded by {_named(old)}): refusing to replace it", file=dst)
+                raise _in_use(dst, what, old)
             with writing(dst):
                 _wipe(dst)
             old = None
         if lock.alone():
-            _clean_temporaries(dst)
+            _clean_temporaries(dst, plan, options)
         if old is None:
             write_json(_state(dst, IDENTITY), {**ident, HINTS: hints, _WHO: _who()})
         elif old.get(HINTS) != hints:  # the content was re-read and still matches (cp -al, chmod)
@@ -409,12 +500,13 @@ def gb(n: int) -> str:
     return f"{n / 1e9:.{1 - math.floor(math.log10(n / 1e9))}f} GB"
 
 
-def bytes_needed(plan: Plan, dst: str, todo: list[ShardPlan]) -> int:
-    """What the rest of the run writes: its shards, and the side files not yet in DST."""
+def bytes_needed(plan: Plan, dst: str, todo: list[ShardPlan], emptied: bool = False) -> int:
+    """What the rest of the run writes: its shards, and the side files not yet in DST (every one
+    when ``emptied``: DST is about to be replaced)."""
     side = 0
     for rel in plan.other_files:  # the same test as finalize's, which copies only these
         path = os.path.join(plan.src, rel)
-        if not copy_current(path, os.path.join(dst, side_file_target(rel))):  # OutputError naming it
+        if emptied or not copy_current(path, os.path.join(dst, side_file_target(rel))):  # OutputError naming it
             try:
                 side += os.stat(path).st_size
             except OSError as e:
@@ -422,8 +514,10 @@ def bytes_needed(plan: Plan, dst: str, todo: list[ShardPlan]) -> int:
     return sum(s.bytes_out for s in todo) + side
 
 
-def check_space(dst: str, need: int) -> None:
-    free = shutil.disk_usage(dst).free
+def check_space(dst: str, need: int, freed: int = 0, at: str | None = None) -> None:
+    """Refuse (exit 4) a job that does not fit; ``freed``: bytes a replacement removes first; ``at``:
+    the folder whose file system DST will be on (the dry run's DST may not exist yet)."""
+    free = shutil.disk_usage(at or dst).free + freed
     margin = space_margin(need)
     if free < need + margin:
         raise OutputError(f"needs {gb(need)} (+{gb(margin)} margin) but has {gb(free)} free", file=dst)
@@ -431,9 +525,12 @@ def check_space(dst: str, need: int) -> None:
 
 def shard_record(dst: str, name: str) -> dict | None:
     """A finished shard's record, if its output is still the file that was written."""
-    rec = read_json(state_file(dst, name, ".done.json"))
+    try:
+        rec = read_json(state_file(dst, name, ".done.json"))
+    except OutputError:  # unreadable (T13): the shard is not known to be done, so it is converted again
+        return None
     path = os.path.join(dst, name)
-    if rec is None or not os.path.isfile(path) or file_fingerprint(path) != rec["output"]:
+    if not isinstance(rec, dict) or not os.path.isfile(path) or file_fingerprint(path) != rec.get("output"):
         return None
     return rec
 
@@ -452,9 +549,9 @@ def convert(src: str, dst: str | None = None, options: Options | None = None,
     with Workers(devices, options.inline, note, threads) as workers:
         plan = plan or options.plan(src)
         dst = os.path.abspath(dst or default_dst(plan.src))
+        chosen = selected(plan, options)  # a selection of nothing is refused before DST is made (T6)
         dst_lock = prepare_dst(plan, dst, options)
         try:
-            chosen = selected(plan, options)
             todo = [s for s in chosen if shard_record(dst, s.name) is None]
             check_space(dst, bytes_needed(plan, dst, todo))
             locks = ShardLocks(dst, [s.name for s in todo])  # under the DST lock: one step with the identity
@@ -501,20 +598,28 @@ def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
     dst = os.path.abspath(dst)
     chosen = selected(plan, options)
     _usable_dst(plan, dst)  # the run's own decisions, so that the dry run says what the run will do
-    old = read_json(_state(dst, IDENTITY)) if os.path.isdir(_state(dst)) else None
+    old, unreadable = recorded_identity(dst) if os.path.isdir(_state(dst)) else (None, None)
     action = "create it" if not os.path.exists(dst) else "start in it (empty)"
     if os.path.isdir(dst):
-        what, _ = judge_dst(plan, dst, options, run_identity(plan, options), old)  # refused: exit 4, as the run
+        what, _ = judge_dst(plan, dst, options, run_identity(plan, options), old, unreadable)  # refused: exit 4
         if what is not None:
-            action = f"replace it (--overwrite): it holds a different conversion ({what})"
+            held = "a different conversion" if old is not None else "k3convert output that cannot be continued"
+            action = f"replace it (--overwrite): it holds {held} ({what})"
+            if _held(_state(dst, RUN_LOCK)):  # the run's own refusal (prepare_dst: lock.alone)
+                raise _in_use(dst, what, old)
         elif old is not None:
             action = "continue the conversion it holds"
     replaced = action.startswith("replace")
+    if replaced:  # the wipe waits for no upload (T7)
+        _refuse_while_read(dst)
     done = [s.name for s in chosen if old is not None and not replaced and shard_record(dst, s.name)]
     todo = [s for s in chosen if s.name not in done]
     probe = dst
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
+    # the run's space check (issue 33): a replacement first frees what DST holds
+    check_space(dst, bytes_needed(plan, dst, todo, emptied=replaced), _bytes_under(dst) if replaced else 0, probe)
+    _refuse_while_read(dst)  # every run ends in finalize, which changes DST: not under an upload (T7)
     devices, workers, _ = plan_workers(options, len(chosen))
     return {
         "source": plan.src, "dst": dst, "dst_action": action, "profile": f"{plan.profile.name} ({plan.profile_reason})",
@@ -530,6 +635,26 @@ def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
         "bytes_in": sum(s.bytes_in for s in todo), "bytes_out": sum(s.bytes_out for s in todo),
         "free_bytes_at_dst": shutil.disk_usage(probe).free, "activation": plan.activation,
     }
+
+
+def _refuse_while_read(dst: str) -> None:
+    """The run's refusal when an upload reads DST (``manifest.writing``, exit 4), for the dry run:
+    its read lock taken and released at once, only where a lock file is already there."""
+    if os.path.exists(_state(dst, READ_LOCK)):
+        with writing(dst):
+            pass
+
+
+def _bytes_under(dst: str) -> int:
+    """Bytes the files under DST occupy (what --overwrite's wipe frees)."""
+    total = 0
+    for d, _, files in os.walk(dst):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(d, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 def _raise_interrupt(signum, frame) -> None:
@@ -613,16 +738,19 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
     _refuse_linked_state(dst)
     nothing = "holds no k3convert state (nothing to finalize)"
     if not os.path.isdir(_state(dst)):
-        raise OutputError(nothing, file=dst)
+        raise OutputError(f"{_unrecorded(dst)}: nothing to finalize" if os.path.isfile(os.path.join(dst, MANIFEST))
+                          else nothing, file=dst)
     # the locks first, one at a time, then what they protect: run.json read (and the plan built
     # from it) before them could describe a source that an --overwrite run replaced meanwhile
     with lock_file(_state(dst, RUN_LOCK)) as using:
         fcntl.flock(using, fcntl.LOCK_SH)  # DST is in use: --overwrite must not empty it meanwhile
         with lock_file(_state(dst, MANIFEST_LOCK)) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)   # several batch jobs may finish at once
-            run = read_json(_state(dst, IDENTITY))
+            run, unreadable = recorded_identity(dst)
             if run is None:
-                raise OutputError(nothing, file=dst)
+                raise OutputError(f"{unreadable or _unrecorded(dst)}: nothing to finalize; rerun mxfp4-to-int4 "
+                                  "with --overwrite to start again" if unreadable or _entries(dst) else nothing,
+                                  file=dst)
             if options is None:
                 options = Options.recorded(run.get("options") or {})
             plan = plan or options.plan(run["source"])
@@ -673,7 +801,11 @@ def _clean_dead_temporaries(dst: str, shards: list[str], written: set[str]) -> N
     ours: dict[str, set[str]] = {}
     for rel in written:
         ours.setdefault(os.path.dirname(rel), set()).add(os.path.basename(rel))  # the manifest: DST itself
+    root = os.path.realpath(dst)
     for folder, names in ours.items():
+        inside = os.path.normpath(os.path.join(root, folder))
+        if not contains(root, inside) or os.path.realpath(os.path.join(dst, folder)) != inside:
+            continue  # outside DST, or through a link (names in a manifest are untrusted)
         try:
             entries = os.listdir(os.path.join(dst, folder))
         except OSError:

@@ -28,7 +28,7 @@ UNQUANTIZED = "weight"   # a module's plain weight: beside its MXFP4 pair, a sec
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _EXPERT = re.compile(r"experts\.(\d+)\.")
 
-__all__ = ["PACKED", "SCALE", "SHAPE", "Convert", "Dequant", "Copy", "ShardPlan", "Plan", "build_plan"]
+__all__ = ["PACKED", "SCALE", "SHAPE", "Convert", "Dequant", "Fp8Dequant", "Copy", "ShardPlan", "Plan", "build_plan"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,34 @@ class Dequant(MXFP4Module):
 
 
 @dataclass(frozen=True)
+class Fp8Dequant:
+    """An FP8 block linear DST holds as bf16 ``X.weight`` (``Fp8Mxfp4Source.bf16_modules``: a fused
+    layer vLLM would build unquantized, or one refused at ``--fp8-bf16-at-tp``): each e4m3 value
+    times its block's fp32 scale in fp32, rounded to bf16 (exact when the scales are powers of two;
+    ``formats/fp8_block.py``)."""
+
+    module: str
+    weight: TensorInfo       # F8_E4M3 [rows, cols]
+    scale: TensorInfo        # F32 [ceil(rows / block[0]), ceil(cols / block[1])]
+    block: tuple[int, int]
+
+    @property
+    def rows(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scale.nbytes
+
+    def outputs(self) -> list[OutTensor]:
+        return [OutTensor(f"{self.module}.{UNQUANTIZED}", "BF16", (self.rows, self.cols))]
+
+
+@dataclass(frozen=True)
 class Copy:
     """A tensor that passes through byte-identical (under ``name`` where the source dialect renames it)."""
 
@@ -98,7 +126,7 @@ class Copy:
         return self.info.nbytes
 
 
-Item = Union[Convert, Dequant, Copy]
+Item = Union[Convert, Dequant, Fp8Dequant, Copy]
 
 
 @dataclass
@@ -128,6 +156,10 @@ class ShardPlan:
         return [it for it in self.items if isinstance(it, Dequant)]
 
     @property
+    def fp8_dequants(self) -> list[Fp8Dequant]:
+        return [it for it in self.items if isinstance(it, Fp8Dequant)]
+
+    @property
     def pairs(self) -> list[MXFP4Module]:
         """Every MXFP4 module whose packed tensor this shard holds (converted or dequantized)."""
         return [it for it in self.items if isinstance(it, MXFP4Module)]
@@ -145,7 +177,7 @@ class ShardPlan:
     def sources(self) -> list[str]:
         """Every source file it reads: its own shard first, then the others that hold a scale
         of one of its modules (split pairs), by name."""
-        others = {c.scale.path for c in self.pairs} - {self.path}
+        others = {c.scale.path for c in (*self.pairs, *self.fp8_dequants)} - {self.path}
         return [self.path] + sorted(others, key=os.path.basename)
 
     @property
@@ -184,6 +216,11 @@ class Plan:
         return sorted(d.module for s in self.shards for d in s.dequants)
 
     @property
+    def fp8_dequantized(self) -> list[str]:
+        """The FP8 block linears DST holds as bf16 (``Fp8Dequant``), sorted."""
+        return sorted(d.module for s in self.shards for d in s.fp8_dequants)
+
+    @property
     def straddled(self) -> int:
         """MXFP4 modules whose two tensors sit in different shards."""
         return sum(c.scale.path != c.packed.path for s in self.shards for c in s.pairs)
@@ -206,7 +243,7 @@ def metadata_value(v: Any) -> str:
 
 
 def shard_metadata(source: dict[str, str], activation: dict[str, Any], what: str) -> dict[str, str]:
-    """Each output shard states the format, the tool and the activation (SPEC §4)."""
+    """Each output shard states the format, the tool and the activation (docs/spec.md §4)."""
     meta = dict(source)
     meta.setdefault("format", "pt")
     meta.update({k: metadata_value(v) for k, v in activation.items()})
@@ -461,7 +498,8 @@ def _header_problem(sp: ShardPlan) -> str | None:
             "split this shard into smaller ones (fewer tensors or less metadata) and convert again")
 
 
-def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool = False) -> Plan:
+def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool = False,
+               fp8_bf16_tp: int | None = None) -> Plan:
     """Check the whole source and plan the conversion, or raise BadInput listing every problem."""
     src = os.path.abspath(src)
     if not os.path.isdir(src):
@@ -487,13 +525,23 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
             else:
                 tensors[name] = t
     source = source.seen(tensors)
+    if fp8_bf16_tp is not None and (isinstance(fp8_bf16_tp, bool) or not isinstance(fp8_bf16_tp, int)
+                                    or fp8_bf16_tp < 1):
+        problems.append(f"--fp8-bf16-at-tp {fp8_bf16_tp!r}: expected a whole number >= 1")
+    elif fp8_bf16_tp is not None and not getattr(source, "fp8_modules", ()):
+        problems.append(f"--fp8-bf16-at-tp {fp8_bf16_tp}: the source has no FP8 block linears")
+    elif hasattr(source, "with_bf16"):   # FP8 linears vLLM would load wrong or refuse: bf16 (Fp8Dequant)
+        source = source.with_bf16(config, tensors, fp8_bf16_tp)
+    fp8_bf16 = [Fp8Dequant(m, tensors[f"{m}.weight"], tensors[f"{m}.weight_scale_inv"], source.weight_block)
+                for m in getattr(source, "bf16_modules", ())]
     problems += source.tensor_problems(tensors)
     converts = _pair(tensors, source, problems, {n for n, shard in wm.items() if shard not in headers})
     modules: dict[str, MXFP4Module] = dict(converts)
     if prof.experts_only:  # the rest loads as bf16, exactly: shared experts, dense MLPs of Quark's templates
-        converts = {m: c for m, c in converts.items() if ckpt._matches(m, ckpt.EXPERT_TARGET)}
+        converts = {m: c for m, c in converts.items() if ckpt.match_name(m, ckpt.EXPERT_TARGET)}
         modules = {m: c if m in converts else Dequant(c.module, c.packed, c.scale, c.rows, c.cols) for m, c in modules.items()}
-    consumed = {t.name for c in modules.values() for t in (c.packed, c.scale)}
+    consumed = {t.name for c in (*modules.values(), *fp8_bf16) for t in ((c.packed, c.scale) if isinstance(
+        c, MXFP4Module) else (c.weight, c.scale))}
     dropped = sorted(n for n in tensors if n not in consumed and n.endswith(source.dropped_tensors))
     expected = profiles.expected_modules(prof, config)
     if expected is not None and not problems:  # what the other checks cannot see: an index that lacks modules
@@ -502,14 +550,17 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
         if extra := profiles.unexpected_modules(prof, config, expected, converts):   # and one that holds more
             problems.append(profiles.extras_problem(prof, expected, extra, lambda m: converts[m].packed))
 
-    by_packed: dict[str, list[MXFP4Module]] = {}
+    by_packed: dict[str, list[MXFP4Module | Fp8Dequant]] = {}
     for c in modules.values():
         by_packed.setdefault(c.packed.path, []).append(c)
+    for f in fp8_bf16:
+        by_packed.setdefault(f.weight.path, []).append(f)
     skip = consumed | set(dropped)
     what = "routed experts" if all(c.expert is not None for c in converts.values()) else "MXFP4 linears"
     shards = []
     for shard, h in headers.items():
-        items: list[tuple[int, Item]] = [(c.packed.start, c) for c in by_packed.get(h.path, [])]
+        items: list[tuple[int, Item]] = [(c.weight.start if isinstance(c, Fp8Dequant) else c.packed.start, c)
+                                         for c in by_packed.get(h.path, [])]
         items += [(t.start, Copy(t, source.out_name(n))) for n, t in h.tensors.items() if n not in skip]
         items.sort(key=lambda x: x[0])
         shards.append(ShardPlan(shard, h.path, h.file_size, h.data_start, [it for _, it in items],

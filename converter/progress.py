@@ -2,21 +2,82 @@
 
 The bar exists from the command's first moment, saying what it waits on (the shard headers,
 the workers' torch and kernel), and its clock runs on a terminal while nothing else moves; every
-line is printed through it (``tqdm.write``), never onto it.
+line is printed through it (``tqdm.write``), never onto it. Where stderr is a file or a pipe the
+bar is a plain line every LINE_EVERY_S (a log never holds carriage returns); quiet (``-q``,
+K3CONVERT_QUIET), TQDM_DISABLE or HF_HUB_DISABLE_PROGRESS_BARS turn bars off (``Output``).
 """
 from __future__ import annotations
 
+import contextlib
+import enum
 import json
 import math
+import os
 import sys
 import threading
 import time
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
 import click
 
 ETA_AFTER_S = 2.0  # seconds of data flowing before a rate, and so an ETA, is shown
 TICK_S = 0.5       # how often a terminal's bar is redrawn while no bytes arrive (its clock moves)
+LINE_EVERY_S = 5.0  # how often a bar that is not on a terminal prints its line
+
+QUIET_ENV = "K3CONVERT_QUIET"
+HF_BARS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"
+BARS_OFF_ENV = (QUIET_ENV, "TQDM_DISABLE", HF_BARS_ENV)  # the ecosystem's switches, and ours
+_quiet = False  # set by the command group's -q/--quiet for the command's duration
+
+
+class Output(enum.Enum):
+    """How progress is shown on a stream."""
+
+    BAR = "bar"      # a terminal: a tqdm bar redrawn in place
+    LINES = "lines"  # a file or pipe: a plain line every LINE_EVERY_S
+    OFF = "off"      # quiet, or a bars-off switch set: nothing
+
+
+def env_true(name: str) -> bool:
+    """An on/off switch in the environment, read as Hugging Face reads its own: 1, true, yes, on."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def set_quiet(on: bool) -> None:
+    global _quiet
+    _quiet = bool(on)
+
+
+def quiet() -> bool:
+    """No bars and no status lines on stderr (results on stdout, errors and JSON events stay)."""
+    return _quiet or env_true(QUIET_ENV)
+
+
+def output(file: TextIO | None = None) -> Output:
+    if quiet() or any(env_true(v) for v in BARS_OFF_ENV):
+        return Output.OFF
+    return Output.BAR if _isatty(file or sys.stderr) else Output.LINES
+
+
+@contextlib.contextmanager
+def libraries_quiet() -> Iterator[None]:
+    """Hugging Face Hub's own bars (an upload's) off too while a quiet command runs: through its
+    variable for a hub imported later (the command line), through its switch for one imported."""
+    old = os.environ.get(HF_BARS_ENV)
+    os.environ[HF_BARS_ENV] = "1"
+    hub = sys.modules.get("huggingface_hub.utils")
+    was_off = hub.are_progress_bars_disabled() if hub is not None else True
+    if not was_off:
+        hub.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(HF_BARS_ENV, None)
+        else:
+            os.environ[HF_BARS_ENV] = old
+        if not was_off:
+            hub.enable_progress_bars()
 
 
 def human_bytes(n: float) -> str:
@@ -61,15 +122,16 @@ def human_sizes(info: dict[str, Any]) -> dict[str, Any]:
 
 
 class Ticker:
-    """Redraws a bar every TICK_S on a terminal, so that its clock runs while nothing arrives."""
+    """Redraws a bar every ``every`` seconds (TICK_S on a terminal, so that its clock runs while
+    nothing arrives; LINE_EVERY_S in a log, where each redraw is a line)."""
 
-    def __init__(self, bar):
+    def __init__(self, bar, every: float = TICK_S):
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(bar,), name="k3-bar-clock", daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(bar, every), name="k3-bar-clock", daemon=True)
         self.thread.start()
 
-    def _run(self, bar) -> None:
-        while not self.stop.wait(TICK_S):
+    def _run(self, bar, every: float) -> None:
+        while not self.stop.wait(every):
             bar.refresh()
 
     def close(self) -> None:
@@ -77,14 +139,74 @@ class Ticker:
         self.thread.join()
 
 
+class LineBar:
+    """The bar where it is not drawn: tqdm's attributes and methods that the commands use, shown
+    as a plain line every LINE_EVERY_S and once more at the end when it stays (``leave``), or
+    never (``silent``: Output.OFF). Lines printed through it (``write``) are printed as they are."""
+
+    def __init__(self, file: TextIO, total: float | None = None, desc: str = "", unit: str = "",
+                 postfix: str | None = None, silent: bool = False, **_tqdm_only: Any):
+        self.fp, self.total, self.desc, self.unit, self.postfix = file, total, desc, unit, postfix or ""
+        self.n, self.leave, self.silent, self.bar_format = 0, True, silent, None
+        self.start_t = time.monotonic()
+        self.lock = threading.Lock()
+
+    def update(self, n: float = 1) -> None:
+        self.n += n
+
+    def set_description(self, desc: str = "", refresh: bool = True) -> None:
+        self.desc = desc
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self.postfix = s
+
+    def line(self) -> str:
+        """'shards 1/3: 44%, 2.31 MB of 5.21 MB, 5.02 s, 1.2 MB/s, 2.4 s left'; without a total, the step
+        and its time."""
+        count = human_bytes if self.unit == "B" else (lambda x: f"{x:g}")
+        took = human_seconds(time.monotonic() - self.start_t)
+        if not self.total:  # a step, not a count: 'from source: recomputing every file from SRC (5.0 s)'
+            return f"{self.desc} ({', '.join([took] + ([self.postfix] if self.postfix else []))})"
+        parts = [f"{100 * self.n / self.total:.0f}%", f"{count(self.n)} of {count(self.total)}", took]
+        return (f"{self.desc}: " if self.desc else "") + ", ".join(parts + ([self.postfix] if self.postfix else []))
+
+    def refresh(self) -> None:
+        if not self.silent:
+            self.write(self.line())
+
+    def write(self, s: str, file: TextIO | None = None) -> None:
+        with self.lock:
+            click.echo(s, file=file or self.fp)
+
+    def close(self) -> None:
+        if self.leave and self.total:
+            self.refresh()
+
+
 def bar(file: TextIO | None = None, **kw):
-    """A tqdm bar on ``file`` (stderr) whose clock runs on a terminal; ``close_bar`` ends both."""
+    """A bar on ``file`` (stderr) as ``output`` says: a tqdm bar whose clock runs on a terminal,
+    a ``LineBar`` elsewhere; ``close_bar`` ends it and its clock."""
+    file = file or sys.stderr
+    how = output(file)
+    if how is not Output.BAR:
+        b = LineBar(file, silent=how is Output.OFF, **kw)
+        b.k3_ticker = Ticker(b, LINE_EVERY_S) if how is Output.LINES else None
+        return b
     from tqdm import tqdm  # 0.1 s: only where a bar is drawn
 
-    file = file or sys.stderr
-    b = tqdm(file=file, dynamic_ncols=True, **kw)
-    b.k3_ticker = Ticker(b) if _isatty(file) else None
+    width = {} if _columns(file) else {"ncols": 80, "nrows": 24}  # a terminal of no size (`script` into a
+    # pipe, some containers): tqdm would draw nothing
+    b = tqdm(file=file, dynamic_ncols=not width, disable=False, **width, **kw)  # TQDM_DISABLE=0: drawn
+    b.k3_ticker = Ticker(b)
     return b
+
+
+def _columns(file: TextIO) -> int:
+    """The terminal's width, 0 when it reports none."""
+    try:
+        return os.get_terminal_size(file.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def close_bar(b, leave: bool = True) -> None:
@@ -107,11 +229,32 @@ def _isatty(file: TextIO) -> bool:
 
 
 def say(line: str, b=None) -> None:
-    """A line on stderr, above the bar when there is one (never glued onto it)."""
+    """A status line on stderr, above the bar when there is one (never glued onto it); none when quiet."""
+    if quiet():
+        return
     if b is None:
         click.echo(line, err=True)
     else:
         b.write(line, file=b.fp)
+
+
+class Status:
+    """What a command does now, for as long as it does it (``verify``'s checks): a bar with no
+    total, its clock running, gone when the step ends (``bar``: in a log, a line every LINE_EVERY_S)."""
+
+    FORMAT = "{desc} [{elapsed}]"
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def start(self, doing: str) -> None:
+        self.end()
+        self.bar = bar(desc=doing, bar_format=self.FORMAT)
+
+    def end(self) -> None:
+        if self.bar is not None:
+            close_bar(self.bar, leave=False)
+            self.bar = None
 
 
 class Progress:

@@ -63,6 +63,18 @@ def dest_file(dst: str, rel: str) -> str:
     return path
 
 
+def new_folder(path: str, why: str) -> None:
+    """Create the folder ``path``, or accept it empty; anything in it is refused (OutputError
+    naming it and ``why``): what is written there must not land on top of someone's files."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        there = sorted(os.listdir(path))
+    except OSError as e:
+        raise OutputError(f"cannot create the folder: {e.strerror}", file=path) from None
+    if there:
+        raise OutputError(f"exists and is not empty ({len(there)} entries, e.g. {there[0]!r}): {why}", file=path)
+
+
 def fresh_file(path: str) -> int:
     """Create ``path`` (a temporary in DST) as a new file; returns its descriptor for writing.
 

@@ -26,7 +26,8 @@ from .errors import BadInput, OutputError
 from .formats import mxfp4
 from .formats.checkpoint import PACKED, SCALE, SHAPE
 from .formats.safetensors_io import ShardWriter
-from .plan import Convert, Dequant, ShardPlan
+from .formats import fp8_block
+from .plan import Convert, Dequant, Fp8Dequant, ShardPlan
 from .safepath import open_regular
 from .quant.requant import STAT_FIELDS, Result
 from .quant.rules import OPTIMA, RULES
@@ -116,6 +117,14 @@ class _DequantPiece:
         return (self.hi - self.lo) * (self.item.packed.nbytes + self.item.scale.nbytes) // self.item.rows
 
 
+class _Fp8Piece(_DequantPiece):
+    """Rows [lo, hi) of an ``Fp8Dequant`` module (e4m3 bytes and the whole fp32 scale tensor read)."""
+
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * self.item.cols + self.item.scale.nbytes * (self.lo == 0)
+
+
 @dataclass
 class _Batch:
     items: list[Convert]
@@ -171,10 +180,11 @@ def _units(sp: ShardPlan, batch_groups: int):
         if batch:
             yield _Batch(batch)
             batch, size = [], 0
-        if isinstance(it, Dequant):  # whole rows, each piece's bf16 within a copy buffer
+        if isinstance(it, (Dequant, Fp8Dequant)):  # whole rows, each piece's bf16 within a copy buffer
             step = max(1, DEQUANT_PIECE // (2 * it.cols))
+            piece = _Fp8Piece if isinstance(it, Fp8Dequant) else _DequantPiece
             for lo in range(0, it.rows, step):
-                yield _DequantPiece(it, lo, min(it.rows, lo + step))
+                yield piece(it, lo, min(it.rows, lo + step))
             continue
         info = it.info
         for off in range(0, max(info.nbytes, 1), COPY_PIECE):
@@ -240,6 +250,8 @@ class ShardConverter:
     def _dequantize(self, fds: dict[str, int], piece: _DequantPiece) -> _DequantPiece:
         """Read a piece's rows and decode them to bf16 (exact: ``mxfp4.to_bf16``), refusing the
         scales the converter refuses and any group too large for bf16."""
+        if isinstance(piece, _Fp8Piece):
+            return self._fp8_dequantize(fds, piece)
         d, rows = piece.item, piece.hi - piece.lo
         half, groups = d.cols // 2, d.cols // 32
         pn, sn, scratch = self._dequant_buffers(rows * d.cols)
@@ -254,6 +266,25 @@ class ShardConverter:
         if over is not None:
             raise _scale_refusal([d], first + over, f"its values exceed bf16's range (E8M0 byte "
                                  f"{int(sn.reshape(-1)[over])}): not a weight that dequantizes")
+        return piece
+
+    def _fp8_dequantize(self, fds: dict[str, int], piece: _Fp8Piece) -> _Fp8Piece:
+        """Read an FP8 linear's rows and its block scales, decode to bf16 (``fp8_block.to_bf16``),
+        refusing a value that is not finite (a NaN byte, or a scale that overflows)."""
+        d, rows = piece.item, piece.hi - piece.lo
+        w = np.empty((rows, d.cols), np.uint8)
+        s = np.empty(d.scale.shape, np.float32)
+        _pread(fds[d.weight.path], w, d.weight.start + piece.lo * d.cols, d.weight.path, d.weight.name)
+        _pread(fds[d.scale.path], s, d.scale.start, d.scale.path, d.scale.name)
+        out = fp8_block.to_bf16(torch.from_numpy(w), torch.from_numpy(s), d.block, piece.lo)
+        bad = (~torch.isfinite(out)).nonzero()
+        if len(bad):
+            r, c = (int(x) for x in bad[0])
+            raise BadInput(f"row {piece.lo + r}, column {c}: not finite once scaled by its block scale: not a "
+                           "weight that dequantizes", file=d.weight.path, tensor=d.weight.name)
+        buf = piece.buf if piece.size <= COPY_PIECE else np.empty(piece.size, np.uint8)
+        piece.data = buf[:piece.size]
+        piece.data.view(np.uint16).reshape(rows, d.cols)[:] = out.view(torch.uint16).numpy()
         return piece
 
     def _ocp_scales(self, packed: np.ndarray, scales: np.ndarray, items: list, first: int = 0) -> None:

@@ -116,14 +116,30 @@ def config_identity(path: str) -> dict[str, Any]:
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+# Files whose identity is known from where they came, not read from disk: a Hub commit's shards,
+# by their LFS SHA-256 (converter.hub_convert, ``know``). The same before a shard is fetched, while
+# it is on disk, and after its converted source is removed: a resume compares like with like.
+_KNOWN: dict[str, dict[str, Any]] = {}
+
+
+def know(path: str, identity: Mapping[str, Any]) -> None:
+    """Record a file's identity as known (``shard_identity``, ``hint`` give it from now on)."""
+    _KNOWN[os.path.abspath(path)] = dict(identity)
+
+
 def shard_identity(path: str) -> dict[str, Any]:
-    """A source shard's identity: size, mtime, first and last MiB (the same on every node)."""
-    return file_fingerprint(path)
+    """A source shard's identity: size, mtime, first and last MiB (the same on every node); or,
+    where it is known (``know``), that."""
+    known = _KNOWN.get(os.path.abspath(path))
+    return dict(known) if known is not None else file_fingerprint(path)
 
 
 def hint(path: str) -> dict[str, int]:
     """What moves when a file is written or its mtime put back (inode, ctime), for deciding
-    whether its content must be re-read; never part of the identity."""
+    whether its content must be re-read; never part of the identity. A known file (``know``): its
+    SHA-256, checked when it was fetched."""
+    if (known := _KNOWN.get(os.path.abspath(path))) is not None:
+        return {"sha256": known.get("sha256")}
     try:
         st = os.stat(path)
     except OSError as e:

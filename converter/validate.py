@@ -1,4 +1,4 @@
-"""Error figures per tensor and per layer (SPEC §6), and the report users read."""
+"""Error figures per tensor and per layer (docs/spec.md §6), and the report users read."""
 from __future__ import annotations
 
 import math

@@ -24,6 +24,7 @@ from .devices import cpus, memory_available
 from .errors import BadInput, ConvertError, OutputError
 from .kernels import requantizer, server_requantizer
 from .quant.rules import optimum_qmin
+from .whole import whole
 from .sources import read_digests, start_content_digest
 from .plan import ShardPlan
 
@@ -106,19 +107,34 @@ def _numba_cap(choice: CpuWorkers) -> CpuWorkers:
     """A NUMBA_NUM_THREADS set lower than a worker's share caps its compute threads (numba refuses
     more): said here, where the choice is shown, not found out in the worker."""
     raw = os.environ.get("NUMBA_NUM_THREADS", "")
-    cap = int(raw) if raw.strip().isdigit() and int(raw) > 0 else None
+    cap = whole(raw) or None
     if cap is None or cap >= choice.threads:
         return choice
     return CpuWorkers(choice.workers, cap, f"{choice.reason}; NUMBA_NUM_THREADS={cap}")
 
 
+MAX_WORKERS = 4096  # a count no machine's cores reach: beyond it, a typo
+
+
 def cpu_workers(requested: int | None, shards: int | None = None) -> CpuWorkers:
-    """The CPU workers for this machine: ``requested`` (``--workers N``), or chosen (None)."""
+    """The CPU workers for this machine: ``requested`` (``--workers N``), or chosen (None).
+
+    An explicit count is kept as asked (its owner may know the storage better), but refused
+    (BadInput, exit 2) when that many workers cannot fit in the available memory (each
+    ``worker_bytes``) or exceed MAX_WORKERS; more workers than cores is said in the workers line
+    (docs/decisions.md)."""
     cores, memory = cpus(), memory_available()
     if requested is None:
         return _numba_cap(choose_cpu_workers(cores, memory, shards))
     n = max(1, requested)
-    return _numba_cap(CpuWorkers(n, max(1, cores // n), f"--workers {n}; {_machine(cores, memory)}"))
+    each = worker_bytes(1)
+    fit = min(MAX_WORKERS, memory // each) if memory is not None else MAX_WORKERS
+    if n > max(1, fit):
+        why = f"{each / 2**30:.2f} GiB each in {memory / 2**30:.1f} GiB available" \
+            if fit < MAX_WORKERS and memory is not None else "the most this tool starts"
+        raise BadInput(f"--workers {n}: at most {max(1, fit)} worker(s) fit on this machine ({why})")
+    more = f"; more workers than the {cores} core(s): they share them" if n > cores else ""
+    return _numba_cap(CpuWorkers(n, max(1, cores // n), f"--workers {n}; {_machine(cores, memory)}{more}"))
 
 
 def _warm_up(device: str) -> None:
@@ -150,11 +166,10 @@ def io_threads() -> dict[str, int]:
     raw = os.environ.get("K3CONVERT_IO_THREADS")
     if not raw:
         return {}
-    try:
-        readers, writers = (int(x) for x in raw.split(","))
-        assert readers > 0 and writers > 0
-    except (ValueError, AssertionError):
-        raise BadInput(f"K3CONVERT_IO_THREADS={raw!r}: expected two positive numbers, readers,writers") from None
+    counts = [whole(x) for x in raw.split(",")]
+    if len(counts) != 2 or not all(counts):  # ASCII digits, not 0
+        raise BadInput(f"K3CONVERT_IO_THREADS={raw!r}: expected two positive numbers, readers,writers")
+    readers, writers = counts
     return {"readers": readers, "writers": writers}
 
 

@@ -8,7 +8,7 @@ original:
   recipe from Student-t weights scaled by 1/sqrt(fan-in): 4 degrees of freedom as ``make-fixture``
   draws them, 2 as ``bench_scale_rule.py`` does): relative RMSE (the kernels' exact sums), and how
   often the [-8, 7] optimum uses -8 (groups, codes);
-* **expert output**: ||y_int4 - y|| / ||y|| with K3's SiTU-GLU (SPEC §4, beta 4, linear beta 25),
+* **expert output**: ||y_int4 - y|| / ||y|| with K3's SiTU-GLU (docs/spec.md §4, beta 4, linear beta 25),
   y = w2 (SiTU(w1 x) * 25 tanh(w3 x / 25)), in float64, for ``--tokens`` Gaussian inputs;
 * **model level** (``--kl``): KL(MXFP4 || int4) and top-1 agreement of next-token distributions of
   the tiny Mixtral and Qwen3-MoE models of ``tests/moe_compare.py``, each converted by the CLI with
@@ -102,7 +102,7 @@ def repair_checkpoint(dst: str) -> None:
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """K3's expert activation (SPEC §4)."""
+    """K3's expert activation (docs/spec.md §4)."""
     return BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * (LINEAR_BETA * torch.tanh(u / LINEAR_BETA))
 
 

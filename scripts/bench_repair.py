@@ -6,8 +6,9 @@ holding -8, layout again. This times ``repair.repair_layer_`` on random K3-shape
 ``layout.convert_experts_`` as the plugin does, at TP 8 (per rank: w13 [896, 768, 3584] and w2
 [896, 3584, 384] codes) and TP 8 + EP 8 ([112, 6144, 3584] and [112, 3584, 3072]): about 2.4% of codes
 are -8 (about 55% of groups hold one), scales random bf16 around 1e-3. Reports seconds per layer (the
-first layer apart: it builds the cached inverse layout index), the 92-layer figure per rank, groups/s,
-the peak transient device memory (torch.cuda.max_memory_allocated minus what the layer holds), and
+first layer apart: it compiles the layout kernel), the 92-layer figure per rank, groups/s, the peak
+transient device memory (torch.cuda.max_memory_allocated minus what the layer holds), what the call
+leaves allocated on the device after it returns (0: nothing cached, e.g. the inverse layout index), and
 checks on a sample (some rows of the first and last expert of each weight) that the device's bytes
 equal the CPU's.
 
@@ -113,10 +114,11 @@ def run(name: str, shape: tuple[int, int, int], args: argparse.Namespace, dev: t
         sync(dev)
         dt = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else None
+        left = torch.cuda.memory_allocated(dev) - base if dev.type == "cuda" else None
         times.append(dt)
         repaired = got.repaired
-        mem = f", peak transient {peak / 2**30:.2f} GiB" if peak is not None else ""
-        print(f"[{name}] layer {layer}{' (builds the inverse layout index)' if layer == 0 else ''}: "
+        mem = "" if peak is None else f", peak transient {peak / 2**30:.2f} GiB, left after {left / 2**20:.0f} MiB"
+        print(f"[{name}] layer {layer}{' (compiles the layout kernel)' if layer == 0 else ''}: "
               f"{dt:.2f} s, {got.repaired:,}/{got.groups:,} groups repaired ({got.repaired / got.groups:.0%}), "
               f"{got.groups / dt:,.0f} groups/s ({got.repaired / dt:,.0f} repaired/s), "
               f"rel RMSE {got.rel_rmse:.4f}{mem}", flush=True)

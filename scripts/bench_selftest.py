@@ -3,13 +3,13 @@
     python scripts/bench_selftest.py [--device cuda] [--repeat 5]
 
 Times converter.vllm_plugin.selftest as moe_method runs it on the first routed-experts layer: the
-copies of the sampled experts (selftest.expert_copy), one probe per aiter tile variant (8, 2048 and
-16384 tokens: selftest.TILE_BANDS), the float32 reference and the comparison, with the kernel call
-itself replaced by a float32 reference computation of every row (AITER's kernel is not available
-here), timed apart: the self-test's own cost is the total without it; the kernel's own time is
-three MoE calls of 8, 2048 and 16384 tokens. Also times the diagnosis
-that runs only when the kernel is wrong (at decode size). Deployments: TP 8 (896 local experts, 384 channels per rank) and
-TP 8 with expert parallelism over 8 ranks (112 local experts, all 3072 channels).
+copies of the sampled experts (selftest.expert_copy, first to last local expert: printed), one probe
+per aiter tile variant (8, 1025 and 8193 tokens: selftest.TILE_BANDS), the float32 reference and the
+comparison, with the kernel call itself replaced by a float32 reference computation of every row
+(AITER's kernel is not available here), timed apart: the self-test's own cost is the total without
+it; the kernel's own time is three MoE calls of 8, 1025 and 8193 tokens. Also times the diagnosis
+that runs only when the kernel is wrong (at decode size). Deployments: TP 8 (896 local experts, 384
+channels per rank) and TP 8 with expert parallelism over 8 ranks (112 local experts, all 3072 channels).
 """
 from __future__ import annotations
 
@@ -89,6 +89,9 @@ def main() -> int:
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"device: {args.device} ({name}), torch {torch.__version__}")
     for case, (local, inter, emap) in cases.items():
+        chosen, remote = selftest.choose_experts(selftest.local_ids(emap, EXPERTS), EXPERTS, TOP_K)
+        print(f"{case}: sampled local experts {chosen} of {local} ({len(remote)} remote); probes of "
+              f"{', '.join(str(selftest.probe_tokens(t)) for _, t in selftest.TILE_BANDS)} tokens")
         tensors = layer(local, inter, args.device)
         emap = None if emap is None else emap.to(args.device)
         runs = [one(*tensors, emap, inter, act, args.device) for _ in range(args.repeat + 1)][1:]

@@ -1,26 +1,41 @@
 #!/usr/bin/env bash
-# Fetch the few server source files tests/test_vllm_plugin.py compares the plugin's layout against
-# (vLLM's and aiter's own code; never copied into this repo), from their released PyPI wheels:
-#   vllm 0.33.0            model_executor/layers/quantization/mxfp4.py and
-#                          .../compressed_tensors_moe/compressed_tensors_moe_w4a16_flydsl.py,
-#                          fused_moe/config.py, fused_moe/expert_map_manager.py, distributed/utils.py
-#                          (how DP/EP/PP split the MoE: tests/test_serving.py)
+# Fetch the few server source files the tests compare our code against (vLLM's and aiter's own code;
+# never copied into this repo), from their released PyPI wheels, one folder per release:
+#   vllm 0.33.0, 0.34.0    model_executor/layers/quantization/mxfp4.py and
+#                          .../compressed_tensors_moe/compressed_tensors_moe_w4a16_flydsl.py (the
+#                          plugin's layout), fused_moe/config.py, fused_moe/expert_map_manager.py,
+#                          distributed/utils.py (how DP/EP/PP split the MoE: tests/test_serving.py),
+#                          compressed_tensors/utils.py and utils/config_utils.py (the target matcher:
+#                          tests/test_match.py), model_executor/utils.py (0.34's route:
+#                          tests/test_layout_kernel.py), and for 0.34 the files the upstream patch
+#                          applies to (tests/test_upstream_patch.py)
 #   amd-aiter 0.1.7.post2.dev18  aiter/ops/shuffle.py
 #   sglang 0.5.23          the WNA16 MoE and model files that decide how Ling's and GLM's swiglu
 #                          clamp reaches its kernels (tests/test_clamp_serving.py)
-# Usage: eval "$(bash scripts/fetch_server_sources.sh [DEST])"   (prints the three export lines)
+# Usage: eval "$(bash scripts/fetch_server_sources.sh [DEST])"   (prints the export lines)
 # DEST defaults to $K3CONVERT_SERVER_SOURCES, else ~/.cache/k3convert/server-sources. Idempotent:
-# once the files are there nothing is downloaded. The vllm wheel is ~340 MB; it is deleted after.
+# once the files are there nothing is downloaded. Each vllm wheel is ~340 MB; it is deleted after.
 set -euo pipefail
 
 dest="${1:-${K3CONVERT_SERVER_SOURCES:-${XDG_CACHE_HOME:-$HOME/.cache}/k3convert/server-sources}}"
 py="${PYTHON:-python3}"
+CT=vllm/model_executor/layers/quantization/compressed_tensors
 VLLM_FILES=(
   vllm/model_executor/layers/quantization/mxfp4.py
-  vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors_moe/compressed_tensors_moe_w4a16_flydsl.py
+  $CT/compressed_tensors_moe/compressed_tensors_moe_w4a16_flydsl.py
   vllm/model_executor/layers/fused_moe/config.py
   vllm/model_executor/layers/fused_moe/expert_map_manager.py
   vllm/distributed/utils.py
+  $CT/utils.py
+  $CT/compressed_tensors.py
+  vllm/model_executor/layers/quantization/utils/config_utils.py
+  vllm/model_executor/utils.py
+)
+VLLM034_FILES=(
+  "${VLLM_FILES[@]}"
+  $CT/compressed_tensors_moe/compressed_tensors_moe.py
+  $CT/schemes/compressed_tensors_wNa16.py
+  vllm/model_executor/layers/fused_moe/activation.py
 )
 AITER_FILES=(aiter/ops/shuffle.py)
 SGLANG_FILES=(
@@ -33,18 +48,22 @@ SGLANG_FILES=(
 
 have_all() {
   for f in "${VLLM_FILES[@]}"; do [ -f "$dest/vllm033/$f" ] || return 1; done
+  for f in "${VLLM034_FILES[@]}"; do [ -f "$dest/vllm034/$f" ] || return 1; done
   for f in "${AITER_FILES[@]}"; do [ -f "$dest/aiter/$f" ] || return 1; done
   for f in "${SGLANG_FILES[@]}"; do [ -f "$dest/sglang0523/$f" ] || return 1; done
 }
 
 if ! have_all; then
   mkdir -p "$dest/wheels"
-  "$py" -m pip download --quiet --no-deps --only-binary=:all: --dest "$dest/wheels" \
-    vllm==0.33.0 amd-aiter==0.1.7.post2.dev18 sglang==0.5.23 >&2
-  "$py" - "$dest" "${VLLM_FILES[*]}" "${AITER_FILES[*]}" "${SGLANG_FILES[*]}" <<'PY'
+  # one release per pip call: two vllm versions in one call are a resolver conflict
+  for req in vllm==0.33.0 vllm==0.34.0 amd-aiter==0.1.7.post2.dev18 sglang==0.5.23; do
+    "$py" -m pip download --quiet --no-deps --only-binary=:all: --dest "$dest/wheels" "$req" >&2
+  done
+  "$py" - "$dest" "${VLLM_FILES[*]}" "${VLLM034_FILES[*]}" "${AITER_FILES[*]}" "${SGLANG_FILES[*]}" <<'PY'
 import glob, hashlib, os, sys, zipfile
-dest, vllm_files, aiter_files, sglang_files = sys.argv[1], *(a.split() for a in sys.argv[2:5])
+dest, vllm_files, vllm034_files, aiter_files, sglang_files = sys.argv[1], *(a.split() for a in sys.argv[2:6])
 for pattern, sub, files in (("vllm-0.33.0-*.whl", "vllm033", vllm_files),
+                            ("vllm-0.34.0-*.whl", "vllm034", vllm034_files),
                             ("amd_aiter-0.1.7.post2.dev18-*.whl", "aiter", aiter_files),
                             ("sglang-0.5.23-*.whl", "sglang0523", sglang_files)):
     (wheel,) = glob.glob(os.path.join(dest, "wheels", pattern))
@@ -64,5 +83,6 @@ PY
 fi
 
 echo "export K3CONVERT_VLLM033_SRC=$dest/vllm033/vllm"
+echo "export K3CONVERT_VLLM034_SRC=$dest/vllm034/vllm"
 echo "export K3CONVERT_AITER_SRC=$dest/aiter/aiter"
 echo "export K3CONVERT_SGLANG0523_SRC=$dest/sglang0523/sglang"

@@ -13,8 +13,9 @@ every channel it is given takes part. ``fault`` plants one defect:
   "remote"    computes experts another rank owns, with this rank's expert of the same index
   "rows"      writes each token's result one row down (a token-order fault of a prefill tile)
 A fault written ``"minus8@32"`` is planted only in the kernel variant of that M tile: like aiter's
-untuned int4 MoE (``fused_moe.py`` get_2stage_cfgs), the simulated kernel picks tile 16 below 2048
-tokens, 32 below 16384 and 64 above, so e.g. only prefill batches of 2048+ tokens misread -8.
+untuned int4 MoE (``fused_moe.py`` get_2stage_cfgs on get_padded_M's count), the simulated kernel picks
+tile 16 up to 1024 tokens, 32 up to 8192 and 64 above, so e.g. only prefill batches of 1025+ tokens
+misread -8.
 """
 from __future__ import annotations
 
@@ -93,9 +94,22 @@ class Helpers:
         return (codes.view(e, n, k).float() * scales.repeat_interleave(32, dim=-1)).to(packed.device)
 
 
+PADDED_M_TIERS = (32768, 131072)
+
+
+def padded_m(tokens: int) -> int:
+    """aiter/fused_moe.py get_padded_M: the token count get_2stage_cfgs is called with (the next power
+    of two below the first tier, else the largest tier not above it)."""
+    if tokens < PADDED_M_TIERS[0]:
+        return 1 if tokens <= 1 else 1 << (tokens - 1).bit_length()
+    return max(t for t in PADDED_M_TIERS if tokens >= t)
+
+
 def tile(tokens: int) -> int:
-    """aiter's untuned M tile for a batch of ``tokens`` tokens (aiter/fused_moe.py get_2stage_cfgs)."""
-    return 16 if tokens < 2048 else 32 if tokens < 16384 else 64
+    """aiter's untuned M tile for a batch of ``tokens`` tokens (aiter/fused_moe.py get_2stage_cfgs, on
+    get_padded_M's count)."""
+    token = padded_m(tokens)
+    return 16 if token < 2048 else 32 if token < 16384 else 64
 
 
 def planted(fault: str, tokens: int) -> str:

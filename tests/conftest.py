@@ -312,16 +312,16 @@ def with_config(src: str, root: str, edit) -> str:
 def assert_verified_and_on_triton(src: str, dst: str, servers: tuple[str, ...] = (), activation: str = "silu") -> None:
     """verify --source passes; stock vLLM 0.33 on gfx942 takes the experts with TRITON and ``activation``;
     and each of ``servers`` passes too."""
-    from converter import serving
+    import serving_rules as serving
     from converter.verify import verify
 
     result = verify(dst, src)
     assert result.ok, [p for c in result.checks for p in c.problems]
-    rocm = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", 1)}
+    rocm = {r.rule: r for r in serving.rules(dst, "vllm-rocm", 1)}
     assert all(r.ok for r in rocm.values()), [r.message for r in rocm.values() if not r.ok]
     assert f"TRITON (TritonWNA16Experts), {activation};" in rocm["kernel"].message
     for server in servers:
-        assert all(r.ok for r in serving.check_serving(dst, server, 1)), server
+        assert all(r.ok for r in serving.rules(dst, server, 1)), server
 
 
 def assert_missing_module_named(src: str, shard: str, module: str, suffixes: tuple[str, ...], expected: int,

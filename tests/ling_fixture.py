@@ -16,6 +16,12 @@ compressed-tensors (``conftest.ct_mxfp4_encode``); FP8 linears ``X.weight`` e4m3
 ``X.weight_scale_inv`` rounded up to powers of two (what ``ue8m0`` promises; stored as fp32 as
 DeepSeek-V3.1's ue8m0 checkpoints do). The expert clamp is per layer: ``expert_swiglu_limit_list``
 (0 for the dense layer: no clamp, ``_get_layer_swiglu_limit`` 201-207).
+
+KDA layers (``KDA_TEXT``: ``layer_group_size`` 2 makes layer 0 KDA, ``_is_kda_layer`` 131-137) hold
+``attention.{q,k,v,b,f,g}_proj`` and ``o_proj`` (FP8 unless ``ignored`` names them: Ling's
+``ignored_layers`` match as suffixes, bailing_moe_v3.py 236; such a module is bf16), the short
+convolutions ``{q,k,v}_conv1d.weight`` fp32 ``[proj, 1, conv]``, ``A_log`` ``[heads]``, ``dt_bias``
+``[proj]`` and ``o_norm.weight`` (640-770; ``no_kda_lora`` required, 662).
 """
 from __future__ import annotations
 
@@ -40,6 +46,14 @@ TEXT = dict(model_type="bailing_hybrid", architectures=["BailingMoeV3ForCausalLM
 QUANT = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
          "scale_fmt": "ue8m0", "routed_experts_quant_method": "mxfp4", "ignored_layers": ["lm_head"]}
 LIMITS = {1: 7.0, 2: 10.0}   # expert_swiglu_limit_list per MoE layer
+KDA_TEXT = dict(layer_group_size=2, short_conv_kernel_size=4, no_kda_lora=True)   # layer 0 KDA, 1 and 2 MLA
+B_IGNORED = ("attention.b_proj",)   # a source that keeps the KDA b_proj out of FP8 (the case of issue 35)
+
+
+def is_kda(layer: int, t: dict) -> bool:
+    """bailing_moe_v3.py 131-137."""
+    g = t["layer_group_size"]
+    return not ((layer + 1) % g == 0 or layer >= t["num_hidden_layers"] // g * g)
 
 
 def fp8_ue8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,11 +68,13 @@ def fp8_ue8m0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def write(dst: str, seed: int = 0, mtp: bool = False, text: dict | None = None) -> dict[str, torch.Tensor]:
+def write(dst: str, seed: int = 0, mtp: bool = False, text: dict | None = None,
+          ignored: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """The checkpoint in ``dst``; returns the bf16 experts it packed, by module. ``mtp``: one MTP layer
     (``num_nextn_predict_layers`` 1) at ``model.layers.3``, a MoE layer as bailing_moe_v3_mtp.py builds it
     (111, 162-173) with its own MXFP4 experts (the MTP's other tensors are left out: not read here).
-    ``text``: config fields to change (the tensors follow them)."""
+    ``text``: config fields to change (the tensors follow them); ``ignored``: added to ignored_layers
+    (the modules they name, as suffixes, are written bf16)."""
     t = {**TEXT, **(text or {})}
     torch.manual_seed(seed)
     os.makedirs(dst, exist_ok=True)
@@ -69,14 +85,23 @@ def write(dst: str, seed: int = 0, mtp: bool = False, text: dict | None = None) 
     experts = {}
 
     def fp8(module: str, rows: int, cols: int) -> None:
+        if any(module.endswith("." + i) for i in ignored):
+            out[f"{module}.weight"] = heavy_tailed(rows, cols).bfloat16()
+            return
         out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = fp8_ue8m0(heavy_tailed(rows, cols))
 
     heads = t["num_attention_heads"]
-    for layer in range(t["num_hidden_layers"] + (1 if mtp else 0)):
-        p = f"model.layers.{layer}"
-        out[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        out[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        a = f"{p}.attention"
+
+    def kda(a: str) -> None:
+        proj, conv = heads * t["head_dim"], t["short_conv_kernel_size"]
+        for name, rows, cols in (("q_proj", proj, h), ("k_proj", proj, h), ("v_proj", proj, h), ("b_proj", heads, h),
+                                 ("f_proj", proj, h), ("g_proj", proj, h), ("o_proj", h, proj)):
+            fp8(f"{a}.{name}", rows, cols)
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            out[f"{a}.{name}.weight"] = heavy_tailed(proj, conv).reshape(proj, 1, conv)
+        out[f"{a}.A_log"], out[f"{a}.dt_bias"] = torch.randn(heads), torch.randn(proj)
+        out[f"{a}.o_norm.weight"] = torch.ones(t["head_dim"], dtype=torch.bfloat16)
+    def mla(a: str) -> None:
         fp8(f"{a}.q_proj", heads * (t["qk_nope_head_dim"] + t["qk_rope_head_dim"]), h)
         fp8(f"{a}.kv_a_proj_with_mqa", t["kv_lora_rank"] + t["qk_rope_head_dim"], h)
         out[f"{a}.kv_a_layernorm.weight"] = torch.ones(t["kv_lora_rank"], dtype=torch.bfloat16)
@@ -86,6 +111,16 @@ def write(dst: str, seed: int = 0, mtp: bool = False, text: dict | None = None) 
             t.get("gated_attention_proj_granularity_type"))      # MLA output gate, 533-570
         if gate:
             fp8(f"{a}.g_proj", gate, h)
+
+    for layer in range(t["num_hidden_layers"] + (1 if mtp else 0)):
+        p = f"model.layers.{layer}"
+        out[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        out[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        a = f"{p}.attention"
+        if t["layer_group_size"] > 1 and layer < t["num_hidden_layers"] and is_kda(layer, t):
+            kda(a)
+        else:
+            mla(a)
         if layer < t["first_k_dense_replace"]:
             d = t["intermediate_size"]
             fp8(f"{p}.mlp.gate_proj", d, h)
@@ -106,6 +141,7 @@ def write(dst: str, seed: int = 0, mtp: bool = False, text: dict | None = None) 
                 out[f"{m}.weight"], out[f"{m}.weight_scale_inv"] = packed, scale.view(torch.float8_e8m0fnu)
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump({**t, **({"num_nextn_predict_layers": 1} if mtp else {}), "quantization_config": dict(QUANT)},
+        quant = {**QUANT, "ignored_layers": QUANT["ignored_layers"] + list(ignored)}
+        json.dump({**t, **({"num_nextn_predict_layers": 1} if mtp else {}), "quantization_config": quant},
                   f, indent=2)
     return experts

@@ -23,7 +23,7 @@ import glm5_fixture as glm
 import ling_fixture as ling
 from conftest import converted_model, with_config
 from server_sources import released_file
-from converter import serving
+import serving_rules as serving
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +32,29 @@ def outs(tmp_path_factory):
             "glm": converted_model(tmp_path_factory, "clamp-glm", glm.write)[1]}
 
 
-def kernel(dst: str, server: str) -> serving.RuleResult:
-    return {r.rule: r for r in serving.check_serving(dst, server, 1)}["kernel"]
+def kernel(dst: str, server: str, vllm: str | None = None) -> serving.RuleResult:
+    return {r.rule: r for r in serving.rules(dst, server, 1, vllm=vllm)}["kernel"]
 
 
 def test_vllm_cuda_applies_both_clamps(outs):
-    ling_k, glm_k = kernel(outs["ling"], "vllm-cuda"), kernel(outs["glm"], "vllm-cuda")
+    ling_k, glm_k = kernel(outs["ling"], "vllm-cuda", "0.33"), kernel(outs["glm"], "vllm-cuda", "0.33")
     assert ling_k.ok and "MARLIN" in ling_k.message and "silu with the clamp (expert_swiglu_limit_list 7, 10)" \
         in ling_k.message, ling_k.message
     assert glm_k.ok and "TRITON" in glm_k.message and "silu with the clamp (swiglu_limit 10)" in glm_k.message
+
+
+def test_vllm_034_gives_ling_swiglustep(outs):
+    """vLLM 0.34's Ling MoE passes swiglustep where a layer has a limit (bailing_moe_v3.py 1205-1207):
+    min(silu(gate), limit) * clamp(up), where 0.33 clamped the gate before silu."""
+    ling_k = kernel(outs["ling"], "vllm-cuda", "0.34")
+    assert ling_k.ok and "takes swiglustep" in ling_k.message, ling_k.message
+    assert "FusedMoE gets activation swiglustep (expert_swiglu_limit_list 7, 10)" in ling_k.message
+    config, tensors = serving.load(outs["ling"])
+    mats = serving.matrices(tensors)
+    verdict = serving.kernel("vllm-cuda", config, mats, serving.layer_sizes(mats)[0], 1, "0.34")
+    assert "the activation: vllm 0.34.0 model_executor/models/bailing_moe_v3.py 1205-1207" in verdict.detail
+    glm_k = kernel(outs["glm"], "vllm-cuda", "0.34")     # GLM is unchanged: silu with FusedMoE's clamp
+    assert glm_k.ok and "silu with the clamp (swiglu_limit 10)" in glm_k.message
 
 
 def test_sglang_rocm_applies_lings_clamp_and_asserts_on_glms(outs, tmp_path):
@@ -54,7 +68,7 @@ def test_sglang_rocm_applies_lings_clamp_and_asserts_on_glms(outs, tmp_path):
                         lambda c: c["text_config"].update(swiglu_limit=7.0))
     glm7 = kernel(other, "sglang-rocm")
     assert not glm7.ok and "asserts swiglu_limit == 10 (swiglu_limit 7)" in glm7.message, glm7.message
-    assert {r.rule: r.ok for r in serving.check_serving(outs["glm"], "vllm-rocm", 1)}["kernel"]
+    assert {r.rule: r.ok for r in serving.rules(outs["glm"], "vllm-rocm", 1)}["kernel"]
 
 
 def test_sglang_cuda_marlin_drops_only_lings_clamp(outs, tmp_path):

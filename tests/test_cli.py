@@ -6,6 +6,7 @@ import os
 import re
 
 import click
+import pytest
 
 from converter.cli import main
 from converter.pipeline import default_dst
@@ -217,12 +218,16 @@ def test_inspect_with_missing_shards_exits_2(fixture_src, tmp_path):
     shutil.copytree(fixture_src, src)
     gone = shard_names(src)[1]
     os.unlink(src / gone)
-    for extra in ((), ("--json",)):
-        r = run_cli("inspect", src, *extra)
-        assert r.exit_code == 2, r.output  # was 0 after printing MISSING
-        assert r.stderr.strip() == (f"k3convert: error: file {src}: 1 shard(s) named by the index are missing: "
-                                    f"{gone}"), r.stderr
-    assert f"MISSING:      {gone}" in r.stdout or gone in r.stdout  # still described
+    message = f"file {src}: 1 shard(s) named by the index are missing: {gone}"
+    r = run_cli("inspect", src)
+    assert r.exit_code == 2, r.output  # was 0 after printing MISSING
+    assert r.stderr.strip() == f"k3convert: error: {message}", r.stderr
+    assert gone in r.stdout  # still described
+    r = run_cli("inspect", src, "--json")  # one JSON object: the description, the error and its exit code
+    assert r.exit_code == 2 and r.stderr == "", r.output
+    info = json.loads(r.stdout)
+    assert (info["error"], info["exit_code"], info["file"]) == (message, 2, str(src))
+    assert gone in json.dumps({k: v for k, v in info.items() if k not in ("error", "file")})  # still described
 
 
 def test_demo_removes_its_temporary_folder_unless_keep(tmp_path, monkeypatch):
@@ -241,7 +246,7 @@ def test_demo_removes_its_temporary_folder_unless_keep(tmp_path, monkeypatch):
     assert read_json(tmp_path / kept / "kimi-k3-fixture-int4" / MANIFEST)["complete"] is True
 
 
-def test_make_fixture_shows_progress_to_its_total(tmp_path):
+def test_make_fixture_shows_progress_to_its_total(tmp_path, monkeypatch):
     """A real-dims fixture takes minutes on a CPU (once 131 s without a word): each tensor written
     is reported, and the reports add up to the tensor bytes in the files."""
     from converter.fixture import FixtureSpec, fixture_bytes, make_fixture
@@ -252,9 +257,186 @@ def test_make_fixture_shows_progress_to_its_total(tmp_path):
     names = make_fixture(str(tmp_path / "f"), spec, progress=seen.append)
     written = sum(t.nbytes for n in names for t in read_header(str(tmp_path / "f" / n)).tensors.values())
     assert len(seen) > 20 and sum(seen) == fixture_bytes(spec) == written
+    from converter import progress
+    monkeypatch.setattr(progress, "LINE_EVERY_S", 0.001)  # stderr is no terminal here: a line each 1 ms
     r = run_cli("make-fixture", tmp_path / "g", "--layers", 2, "--experts", 2, "--shards", 2)
     assert r.exit_code == 0, r.output
     assert r.stderr.startswith("writing a Kimi-K3-shaped MXFP4 fixture (2 layers, 2 experts, 2 shards) to ")
-    from tqdm import tqdm
-    total = tqdm.format_sizeof(fixture_bytes(spec), divisor=1000)
-    assert re.search(rf"fixture: +\d+%\|.*\| [\d.]+[kM]?/{re.escape(total)} ", r.stderr), r.stderr  # a bar to the total
+    total = progress.human_bytes(fixture_bytes(spec))
+    assert re.search(rf"^fixture: \d+%, [\d.]+ (B|kB|MB) of {re.escape(total)}, ", r.stderr, re.M), r.stderr
+
+
+# ------------------------------------------------------------------ issue 33 §3: the small things
+
+def _k3(*args: str, env: dict | None = None, prelude: str = "", timeout: float = 300):
+    """The command line in its own process, stderr a pipe (a log): (rc, stdout, stderr). ``prelude``
+    runs first in that process (a shorter LINE_EVERY_S)."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"{prelude}\nfrom converter.cli import main\nmain()"
+    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "PYTHONPATH": repo, **(env or {})})
+    return r.returncode, r.stdout, r.stderr
+
+
+def test_bare_command_prints_its_help_and_exits_0():
+    """Once one 694-character error line and exit 2; `hf` and `vllm` print their help."""
+    r = run_cli()
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("Usage: ") and "\nCommands:\n" in r.stdout and r.stderr == ""
+    assert r.stdout == run_cli("--help").stdout
+    rc, out, err = _k3()  # the process too (fastexit)
+    assert (rc, err) == (0, "") and "\nCommands:\n" in out and "mxfp4-to-int4" in out
+
+
+def test_tqdm_disable_neither_crashes_nor_draws(tmp_path):
+    """TQDM_DISABLE=1 once crashed convert and demo: "'tqdm' object has no attribute 'fp'" (progress.py)."""
+    rc, out, err = _k3("demo", "--dir", tmp_path / "d", env={"TQDM_DISABLE": "1"})
+    assert rc == 0, err[-2000:]
+    assert "Traceback" not in err and "%|" not in err and "\r" not in err, err
+    assert "converting " in err  # status lines stay: only bars are off
+    assert out.splitlines()[-1] == f"report: {tmp_path / 'd' / 'kimi-k3-fixture-int4' / REPORT}"
+
+
+def test_in_a_log_the_bar_is_plain_lines(fixture_src, tmp_path):
+    """stderr a pipe: once one long line of carriage returns; now a plain line every LINE_EVERY_S
+    (here 0.02 s) and the last state, no carriage return."""
+    fast = "import converter.progress as p; p.LINE_EVERY_S = 0.02"
+    rc, out, err = _k3("mxfp4-to-int4", fixture_src, "-o", tmp_path / "d", "--workers", "1", prelude=fast)
+    assert rc == 0, err[-2000:]
+    assert "\r" not in err and "%|" not in err, err[:500]
+    lines = err.splitlines()
+    assert lines[0].startswith("converting 3 of 3 shards; "), lines
+    steps = [x for x in lines if re.match(r"shards \d/3: \d+%, [\d.]+ (B|kB|MB) of [\d.]+ (kB|MB), [\d.]+ s", x)]
+    assert len(steps) >= 2 and steps[-1].startswith("shards 3/3: 100%, "), lines  # the last line stays
+    rc, out, err = _k3("make-fixture", tmp_path / "f", "--layers", 2, "--experts", 2, "--shards", 1, prelude=fast)
+    assert rc == 0 and "\r" not in err and re.search(r"^fixture: \d+%, ", err, re.M), err
+
+
+def test_slow_steps_say_what_they_do_in_a_log(converted, tmp_path):
+    """verify --source was silent for 7 s and then 15 s: each check says what it does while it runs."""
+    from converter.verify import config, redecode
+
+    fast = "import converter.progress as p; p.LINE_EVERY_S = 0.05"
+    rc, out, err = _k3("verify", converted.dst, "--source", converted.src, prelude=fast)
+    assert rc == 0, out + err
+    from converter.verify import DOING
+
+    said = {re.sub(r" \([\d.]+ s\)$", "", x) for x in err.splitlines()}
+    assert said <= set(DOING.values()), said  # each line is a step and its time
+    assert {DOING[m] for m in (config, redecode)} <= said, err  # the slow ones here (compressed-tensors, torch)
+    assert "\r" not in err and out.splitlines()[-1] == "result: PASS"
+
+
+def test_verify_says_each_check_as_it_begins(converted):
+    from converter.verify import CHECKS, DOING, verify
+
+    seen: list[str] = []
+    verify(converted.dst, converted.src, sample=1, on_start=seen.append)
+    assert seen == [DOING[c] for c in CHECKS] and len(set(seen)) == len(CHECKS)
+
+
+@pytest.mark.parametrize("how", [["-q"], ["after"], ["env"]])
+def test_quiet_prints_results_only(how, tmp_path):
+    """-q (before or after the command's name) or K3CONVERT_QUIET=1: no bar, no status line; stdout as without."""
+    from click.testing import CliRunner
+
+    argv = ["demo", "--dir", str(tmp_path / "d")]
+    argv = ["-q", *argv] if how == ["-q"] else [*argv, "-q"] if how == ["after"] else argv
+    r = CliRunner().invoke(main, argv, env={"K3CONVERT_QUIET": "1"} if how == ["env"] else None)
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert r.stderr == ""
+    assert f"report: {tmp_path / 'd' / 'kimi-k3-fixture-int4' / REPORT}" in r.stdout.splitlines()
+    loud = run_cli("make-fixture", tmp_path / "f", "--layers", 2, "--experts", 2, "--shards", 1)
+    assert loud.stderr.startswith("writing a Kimi-K3-shaped")  # quiet ended with its command
+
+
+def test_quiet_turns_the_hubs_bars_off_for_the_command():
+    """An upload's bars are huggingface_hub's: -q turns them off while the command runs, and only then."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    seen = []
+
+    @click.command("probe-bars")
+    def probe():
+        seen.append((are_progress_bars_disabled(), os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")))
+
+    before = are_progress_bars_disabled(), os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
+    main.add_command(probe)
+    try:
+        assert run_cli("-q", "probe-bars").exit_code == 0
+        assert run_cli("probe-bars", "-q").exit_code == 0
+        assert run_cli("probe-bars").exit_code == 0
+    finally:
+        main.commands.pop("probe-bars")
+    assert seen[:2] == [(True, "1"), (True, "1")]
+    assert seen[2] == before == (are_progress_bars_disabled(), os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"))
+
+
+VLLM_SPELLINGS = [
+    ["--tp", "8", "--ep", "--dp", "2", "--pp", "2"],
+    ["--tensor-parallel-size", "8", "--enable-expert-parallel", "--data-parallel-size", "2",
+     "--pipeline-parallel-size", "2"],
+    ["-tp", "8", "-ep", "-dp", "2", "-pp", "2"],
+    ["--tensor-parallel-size=8", "--enable-expert-parallel", "--data-parallel-size=2", "--pipeline-parallel-size=2"],
+]
+
+
+def test_verify_takes_vllms_spellings(converted):
+    """`vllm serve`'s own option names mean what --tp/--ep/--dp/--pp mean (once: "No such option")."""
+    base = ["verify", converted.dst, "--no-checksums", "--serving", "vllm-rocm-plugin", "--json"]
+    results = []
+    for spelling in VLLM_SPELLINGS:
+        r = run_cli(*base, *spelling)
+        assert r.exit_code in (0, 5), (spelling, r.output)
+        results.append(json.loads(r.stdout))
+    assert all(x == results[0] for x in results[1:])
+    other = json.loads(run_cli(*base, "--tp", "4", "--dp", "2", "--pp", "2").stdout)
+    assert other != results[0]  # the value is used, not ignored
+
+
+def _one_json_error(text: str, code: int, *needles: str) -> dict:
+    err = json.loads(text)  # the whole stream is one JSON object
+    assert err["exit_code"] == code and all(n in err["error"] for n in needles), err
+    assert "k3convert: error" not in err["error"]
+    return err
+
+
+def test_json_errors_are_json(converted, fixture_src, tmp_path):
+    """With --json (stdout) or --progress json (stderr's events), an error is JSON on that stream,
+    with its exit code; once a plain 'k3convert: error:' line."""
+    missing = str(tmp_path / "nowhere")
+    r = run_cli("verify", missing, "--json")
+    assert r.exit_code == 2
+    assert _one_json_error(r.stdout, 2, "does not exist")["file"] == missing and r.stderr == ""
+    r = run_cli("inspect", missing, "--json")
+    assert r.exit_code == 2 and _one_json_error(r.stdout, 2, "nowhere") and r.stderr == ""
+    for bad in (["--tp", "0", "--serving", "vllm-rocm"], ["--bogus"], ["--tp", "8"]):  # usage errors, 2
+        r = run_cli("verify", converted.dst, "--json", *bad)
+        assert r.exit_code == 2, (bad, r.output)
+        _one_json_error(r.stdout, 2)
+        assert r.stderr == ""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = run_cli("mxfp4-to-int4", empty, "-o", tmp_path / "o", "--progress", "json")
+    assert r.exit_code == 2, r.output
+    events = [json.loads(x) for x in r.stderr.splitlines()]  # every line is an event
+    assert events[-1]["event"] == "failed" and events[-1]["exit_code"] == 2 and str(empty) in events[-1]["error"]
+    r = run_cli("mxfp4-to-int4", empty, "--dry-run", "--progress=json")
+    assert r.exit_code == 2 and _one_json_error(r.stdout, 2, str(empty)), r.output
+    r = run_cli("verify", missing)  # without JSON: the line, as before
+    assert r.exit_code == 2 and r.stderr.startswith("k3convert: error: ") and r.stdout == ""
+
+
+def test_scale_rule_help_agrees_with_readme():
+    """--scale-rule's help once recommended optimal-pm7 "until the plugin's self-test passes";
+    README says the default optimal is right for MI300X/MI325X (the self-test re-optimizes at load)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = " ".join(open(os.path.join(repo, "README.md"), encoding="utf-8").read().split())
+    assert "The default `optimal` is right for MI300X/MI325X too" in readme
+    (opt,) = [p for p in main.commands["mxfp4-to-int4"].params if p.name == "scale_rule"]
+    assert opt.default == "optimal"
+    assert "until" not in opt.help and "right for MI300X/MI325X too" in opt.help
+    assert "self-test" in opt.help and "re-optimizes" in opt.help

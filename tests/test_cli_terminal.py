@@ -24,10 +24,11 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 BAR = re.compile(r"^(starting|shards \d+/\d+|fixture)\b.*(\]|\|)$")  # a bar frame, and nothing after it
 
 
-def on_terminal(argv: list[str], cwd: str, env: dict | None = None, timeout: float = 300) -> tuple[int, str]:
+def on_terminal(argv: list[str], cwd: str, env: dict | None = None, timeout: float = 300,
+                columns: int = 100) -> tuple[int, str]:
     """Run ``argv`` on a 100-column pseudo-terminal (stdout and stderr); its exit status and output."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24 if columns else 0, columns, 0, 0))
     p = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env or ENV,
                          start_new_session=True)
     os.close(slave)
@@ -204,3 +205,46 @@ def test_verify_prints_each_check_before_its_numeric_checks_load_torch(converted
     assert line == f"verify {converted.dst}", line
     assert line in before_torch.splitlines(), f"{line!r} came after torch's import"
     assert any(x.strip().startswith("PASS  manifest") for x in before_torch.splitlines()), before_torch[-2000:]
+
+
+# --------------------------------------------------------------------------- issue 33 §3: switches, verify
+
+@pytest.mark.parametrize("switch", ["TQDM_DISABLE=1", "HF_HUB_DISABLE_PROGRESS_BARS=1", "K3CONVERT_QUIET=1", "-q"])
+def test_bars_off_on_a_terminal(switch, tmp_path):
+    """The ecosystem's switches turn the bars off (TQDM_DISABLE=1 once crashed demo: "'tqdm' object has no
+    attribute 'fp'"; HF_HUB_DISABLE_PROGRESS_BARS was ignored); quiet also drops the status lines."""
+    env = dict(ENV)
+    argv = K3 + ["demo", "--dir", "d"]
+    if switch == "-q":
+        argv.insert(len(K3), "-q")
+    else:
+        env.update([switch.split("=")])
+    rc, text = on_terminal(argv, str(tmp_path), env=env)
+    assert rc == 0, text[-3000:]
+    assert "Traceback" not in text and "%|" not in text and not re.search(r"\[\d\d:\d\d", text), text[-3000:]
+    lines = assert_no_glued_lines(text)
+    assert lines[-1] == f"report: {tmp_path / 'd' / 'kimi-k3-fixture-int4' / 'k3convert_report.json'}", lines
+    quiet = switch in ("K3CONVERT_QUIET=1", "-q")
+    said = [x for x in lines if x.startswith(("demo: ", "writing a ", "converting "))]
+    assert (said == []) if quiet else len(said) == 3, lines  # bars off: the status lines stay
+    assert any(x.startswith("wrote 3 shards") for x in lines), lines  # make-fixture's result stays
+
+
+@pytest.mark.parametrize("columns", [100, 0])
+def test_verify_source_shows_each_check_while_it_runs(columns, converted, tmp_path):
+    """verify --source was silent for 7 s (config: compressed-tensors' matcher) and then 15 s (the
+    re-decode): each check shows what it does, its clock running, and is gone when its line prints.
+    A terminal that reports no width (`script` into a pipe, some containers) once got blank frames."""
+    from converter.verify import DOING, config, redecode
+
+    rc, text = on_terminal(K3 + ["verify", converted.dst, "--source", converted.src], str(tmp_path),
+                           columns=columns)
+    assert rc == 0, text[-3000:]
+    plain = ANSI.sub("", text)
+    for module, name in ((config, "config"), (redecode, "re-decode")):
+        shown = plain.find(DOING[module] + " [00:")
+        assert shown >= 0, (DOING[module], plain[-3000:])
+        assert shown < plain.index(f"PASS  {name}"), f"{name}: its status came after its result"
+    lines = screen_lines(text)
+    assert not [x for x in lines if any(f"{d} [" in x for d in DOING.values())], lines  # each status cleared
+    assert lines[0] == f"verify {converted.dst}" and lines[-1] == "result: PASS", lines

@@ -97,7 +97,7 @@ def test_error_figures_match_report_and_beat_rtn(converted):
         mine[f"{module}.weight_packed"] = rel
         per_layer.setdefault(row["layer"], []).append(rel)
         assert f".layers.{row['layer']}." in module
-    # SPEC §5: RTN amax/7.5 is ~1.2x the optimal RMS error on Student-t MXFP4 weights
+    # docs/spec.md §5: RTN amax/7.5 is ~1.2x the optimal RMS error on Student-t MXFP4 weights
     assert math.sqrt(tot_rtn / tot_ours) > 1.05
     assert set(rows) == set(mine)  # the table covers exactly the converted tensors
     worst = max(mine, key=mine.get)
@@ -169,7 +169,7 @@ def test_index(converted):
 
 
 def _check_int4_block(block: dict, source_block: dict) -> None:
-    """SPEC §3: pack-quantized int4 group 32 symmetric, same ignore list."""
+    """docs/spec.md §3: pack-quantized int4 group 32 symmetric, same ignore list."""
     assert block["quant_method"] == "compressed-tensors"
     assert block["format"] == "pack-quantized"
     assert block["quantization_status"] == "compressed"

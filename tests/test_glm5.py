@@ -17,7 +17,7 @@ from conftest import (
     all_tensors, assert_verified_and_on_triton, converted_model, ct_int4_values, ct_mxfp4_values,
     read_json, tensor_bytes)
 from converter.errors import BadInput
-from converter.formats.dialect import _matches
+from converter.formats.match import match_name
 from converter.pipeline import Options, convert
 
 
@@ -59,10 +59,10 @@ def test_config_and_activation(done):
     (group,) = cfg["quantization_config"]["config_groups"].values()
     layer = "model.language_model.layers.1.mlp.experts"
     for proj in ("gate_proj", "up_proj", "down_proj"):
-        assert any(_matches(f"{layer}.0.{proj}", t) for t in group["targets"])
+        assert any(match_name(f"{layer}.0.{proj}", t) for t in group["targets"])
     for other in ("model.language_model.layers.1.mlp.shared_experts.gate_proj", "model.language_model.layers.0.mlp.gate_proj",
                   "model.language_model.layers.1.mlp.gate", "lm_head"):
-        assert not any(_matches(other, t) for t in group["targets"]), other
+        assert not any(match_name(other, t) for t in group["targets"]), other
     from safetensors import safe_open
     for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
         with safe_open(os.path.join(dst, shard), "pt") as f:
@@ -99,7 +99,7 @@ def test_the_template_as_shipped_keeps_shared_experts_as_exact_bf16(shipped, don
     assert experts and all(tensor_bytes(after[n][1]) == tensor_bytes(excluded[n][1]) for n in experts)
     assert read_json(os.path.join(dst, "k3convert_manifest.json"))["source"]["dequantized"] == sorted(SHARED)
     (group,) = read_json(os.path.join(dst, "config.json"))["quantization_config"]["config_groups"].values()
-    assert not any(_matches(m, t) for m in SHARED for t in group["targets"])
+    assert not any(match_name(m, t) for m in SHARED for t in group["targets"])
     assert_verified_and_on_triton(src, dst)
     from converter.hub import model_card   # the card says so; the excluding export's says nothing was decoded
     assert "6 other MXFP4 linear(s)" in model_card(dst) and "Everything else is byte-identical" in model_card(done[1])
@@ -156,15 +156,16 @@ def test_an_incomplete_download_is_caught_by_the_inventory(tmp_path):
 
 
 def test_vllms_load_time_refusals_for_glm5(done):
-    """verify --serving's loader table (converter/loaders.py): GLM-5.3's model asserts TP divides the
+    """verify --serving's loader table (converter/servers/loaders.py): GLM-5.3's model asserts TP divides the
     heads (glm5next/common/model.py 765-768) and refuses any activation but silu (202-205, 243-247)."""
-    from converter import loaders
-    from converter.topology import Topology
+    from converter.servers import loaders
+    from converter.servers.releases.vllm_0_33 import RELEASE
+    from converter.servers.topology import Topology
     cfg = read_json(os.path.join(done[1], "config.json"))
-    assert loaders.refusals(cfg, Topology(2)) == []
-    assert any("765-768" in where for _, where in loaders.refusals(cfg, Topology(4)))
+    assert loaders.refusals(cfg, Topology(2), RELEASE) == []
+    assert any("765-768" in where for _, where in loaders.refusals(cfg, Topology(4), RELEASE))
     cfg["text_config"]["hidden_act"] = "gelu"
-    assert any("243-247" in where for _, where in loaders.refusals(cfg, Topology(1)))
+    assert any("243-247" in where for _, where in loaders.refusals(cfg, Topology(1), RELEASE))
 
 
 def test_bf16_pieces_of_any_size_write_the_same_shard(shipped, tmp_path, monkeypatch):

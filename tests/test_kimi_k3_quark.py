@@ -83,11 +83,11 @@ def test_experts_are_the_ct_builds_int4_the_rest_exact_bf16(quark_k3, converted)
 def test_verify_passes_and_servers_see_what_they_see_in_the_ct_build(quark_k3, converted):
     """verify --source checks every bf16 value; each server's serving model says of this output
     exactly what it says of the compressed-tensors build's (its experts, SiTU, sizes)."""
-    from converter import serving
+    import serving_rules as serving
     from converter.verify import verify
     src, dst, _ = quark_k3
     result = verify(dst, src, sample=None)
     assert result.ok, [p for c in result.checks for p in c.problems]
     for server in ("vllm-rocm-plugin", "vllm-rocm", "vllm-cuda"):
-        ours = [(r.rule, r.ok, r.message) for r in serving.check_serving(dst, server, 1)]
-        assert ours == [(r.rule, r.ok, r.message) for r in serving.check_serving(converted.dst, server, 1)], server
+        ours = [(r.rule, r.ok, r.message) for r in serving.rules(dst, server, 1)]
+        assert ours == [(r.rule, r.ok, r.message) for r in serving.rules(converted.dst, server, 1)], server

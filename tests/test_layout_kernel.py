@@ -4,10 +4,11 @@
   against aiter's own shuffle_weight with vLLM 0.33's packer and scale relayout (and aiter's own packer
   and scale shuffle where K3CONVERT_AITER_SRC has them), code -8 (CT nibble 0) and code 0 included.
 * AMD: cross-compiled for CDNA (gfx942 first) on every specialization K3's splits reach: no spills, no scratch.
-* The bench's restatement of vLLM's load-time route gives the bytes vLLM 0.33's own method gives.
+* The bench's restatements of vLLM's load-time routes give the bytes vLLM 0.33's and 0.34's own methods give.
 """
 from __future__ import annotations
 
+import ast
 import importlib.util
 import sys
 import types
@@ -194,6 +195,77 @@ def test_bench_restates_vllms_route(monkeypatch):
     for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"):
         a, b = getattr(theirs, name).data, getattr(ours, name).data
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(as_bytes(a), as_bytes(b)), name
+    assert ours.w13_weight.is_shuffled and ours.w2_weight.is_shuffled
+
+
+def _vllm034_route(bs, monkeypatch, chunk_values: int) -> dict:
+    """vLLM 0.34.0's own _setup_kernel_k3_situ_gfx942 and _mxfp4_experts_to_int4_gfx942 (mxfp4.py) with its
+    own replace_parameter (model_executor/utils.py), compiled from the released sources; aiter's calls are
+    answered by the bench's restated aiter functions, _K3_INT4_CONVERT_CHUNK_VALUES set to ``chunk_values``."""
+    src = source("K3CONVERT_VLLM034_SRC", MXFP4)
+    utils = source("K3CONVERT_VLLM034_SRC", "model_executor/utils.py")
+    released = [n for n in ast.parse(src.read_text()).body if isinstance(n, ast.Assign)
+                and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["_K3_INT4_CONVERT_CHUNK_VALUES"]]
+    assert len(released) == 1, f"{src}: no single _K3_INT4_CONVERT_CHUNK_VALUES"
+    value = eval(compile(ast.Expression(released[0].value), str(src), "eval"), {"__builtins__": {}})  # 1 << 27
+    assert value == bs._K3_INT4_CONVERT_CHUNK_VALUES, (value, bs._K3_INT4_CONVERT_CHUNK_VALUES)
+    mods = {"aiter": types.ModuleType("aiter"), "aiter.ops": types.ModuleType("aiter.ops"),
+            "aiter.ops.flydsl": types.ModuleType("aiter.ops.flydsl"),
+            "aiter.ops.flydsl.kernels": types.ModuleType("aiter.ops.flydsl.kernels"),
+            "aiter.ops.flydsl.kernels.moe_2stage_a16wmix": types.SimpleNamespace(
+                flydsl_a16w4_gemm1=lambda *, a_bf16, act="silu", situ_beta=1.0, situ_linear_beta=1.0: None),
+            "aiter.ops.quant": types.SimpleNamespace(per_1x32_i4_quant=bs.per_1x32_i4_quant),
+            "aiter.ops.shuffle": types.SimpleNamespace(shuffle_weight=bs.shuffle_weight,
+                                                       pack_int8_to_packed_int4=bs.pack_int8_to_packed_int4,
+                                                       shuffle_scale_for_int4=bs.shuffle_scale_for_int4),
+            "aiter.utility": types.ModuleType("aiter.utility")}
+    mods["aiter"].dtypes = bs.aiter_dtypes
+    mods["aiter.utility"].fp4_utils = bs.fp4_utils
+    # replace_parameter imports direct_reload_enabled where a result's shape differs (the default: off)
+    direct = "vllm.model_executor.model_loader.reload.direct"
+    for i in range(1, direct.count(".") + 2):
+        mods[".".join(direct.split(".")[:i])] = types.ModuleType(".".join(direct.split(".")[:i]))
+    mods[direct].direct_reload_enabled = lambda: False
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    ns = server_sources.functions(utils, {"_extent", "storage_view", "_in_own_storage", "replace_parameter"},
+                                  {"torch": torch, "set_weight_attrs": None})
+    ns["_K3_INT4_CONVERT_CHUNK_VALUES"] = chunk_values
+    server_sources.functions(src, {"_mxfp4_experts_to_int4_gfx942"}, ns)
+    return server_sources.functions(src, {"_setup_kernel_k3_situ_gfx942"}, ns, cls="Mxfp4MoEMethod")
+
+
+def test_bench_restates_vllm034_route(monkeypatch):
+    """bench_startup.vllm034_route against vLLM 0.34.0's own route and replace_parameter, run from the
+    released source: the same bytes, shapes and dtypes, the int4 weight written into the loaded parameter's
+    storage in both (0.34's replace_parameter) and the scales rebound, on 10 experts with chunk sizes that
+    split them unevenly (w13 3 experts a chunk, w2 6: 0.34's last chunk shifted back), and the same bytes
+    as the bench's 0.33 route."""
+    bs = bench_module()
+    tpl = bs.templates("tp8", tiny=True, device=torch.device("cpu"))
+    tpl["mxfp4"] = {k: (torch.cat([w] * 5)[:10].clone(), torch.cat([s] * 5)[:10].clone())
+                    for k, (w, s) in tpl["mxfp4"].items()}
+    (_, n13, k13), (_, n2, k2) = (x.shape[0:2] + (x.shape[2] * 2,) for x in (tpl["mxfp4"]["w13"][0],
+                                                                              tpl["mxfp4"]["w2"][0]))
+    chunk_values = 3 * n13 * k13
+    assert (chunk_values // (n13 * k13), chunk_values // (n2 * k2)) == (3, 6)
+    ns = _vllm034_route(bs, monkeypatch, chunk_values)
+    monkeypatch.setattr(bs, "_K3_INT4_CONVERT_CHUNK_VALUES", chunk_values)
+    theirs, ours = bs.make_layer("vllm-0.34", tpl), bs.make_layer("vllm-0.34", tpl)
+    old = bs.make_layer("vllm-0.33", tpl)
+    ptrs = {name: (getattr(theirs, name).data_ptr(), getattr(ours, name).data_ptr())
+            for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")}
+    ns["_setup_kernel_k3_situ_gfx942"](types.SimpleNamespace(get_fused_moe_quant_config=lambda _l: None,
+                                                             experts_cls=None), theirs)
+    bs.vllm034_route(ours)
+    bs.vllm033_route(old)
+    for name, (p_theirs, p_ours) in ptrs.items():
+        a, b, c = getattr(theirs, name).data, getattr(ours, name).data, getattr(old, name).data
+        assert a.shape == b.shape == c.shape and a.dtype == b.dtype == c.dtype, name
+        assert torch.equal(as_bytes(a), as_bytes(b)) and torch.equal(as_bytes(a), as_bytes(c)), name
+        kept = getattr(theirs, name).data_ptr() == p_theirs
+        assert kept == (getattr(ours, name).data_ptr() == p_ours) == name.endswith("_weight"), name
     assert ours.w13_weight.is_shuffled and ours.w2_weight.is_shuffled
 
 

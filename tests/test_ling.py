@@ -21,7 +21,7 @@ from conftest import (
     all_tensors, assert_missing_module_named, assert_verified_and_on_triton, converted_model,
     ct_int4_values, ct_mxfp4_values, read_json, tensor_bytes, with_config)
 from converter.errors import BadInput
-from converter.formats.dialect import _matches
+from converter.formats.match import match_name
 from converter.pipeline import Options, convert
 
 
@@ -70,10 +70,10 @@ def test_config_names_experts_and_fp8_linears_only(done):
     block = cfg["quantization_config"]
     int4, fp8 = block["config_groups"]["group_0"], block["config_groups"]["group_1"]
     for proj in ("gate_proj", "up_proj", "down_proj"):
-        assert any(_matches(f"model.layers.2.mlp.experts.0.{proj}", t) for t in int4["targets"])
+        assert any(match_name(f"model.layers.2.mlp.experts.0.{proj}", t) for t in int4["targets"])
     for other in ("model.layers.0.mlp.gate_proj", "model.layers.1.mlp.shared_experts.gate_proj",
                   "model.layers.1.mlp.gate", "lm_head"):
-        assert not any(_matches(other, t) for t in int4["targets"]), other
+        assert not any(match_name(other, t) for t in int4["targets"]), other
     assert "model.layers.1.attention.kv_b_proj" in fp8["targets"]
     assert "model.layers.1.mlp.shared_experts.down_proj" in fp8["targets"]
     assert not any(".experts." in t and "shared" not in t for t in fp8["targets"])
@@ -124,13 +124,14 @@ def test_a_limit_list_of_the_wrong_type_is_refused(done, tmp_path):
 
 
 def test_vllms_load_time_refusals_for_ling(done):
-    """verify --serving's loader table (converter/loaders.py): Ling's MLA asserts TP divides the heads
+    """verify --serving's loader table (converter/servers/loaders.py): Ling's MLA asserts TP divides the heads
     (bailing_moe_v3.py 480); the fixture's 2 heads load at TP 2, not at TP 4."""
-    from converter import loaders
-    from converter.topology import Topology
+    from converter.servers import loaders
+    from converter.servers.releases.vllm_0_33 import RELEASE
+    from converter.servers.topology import Topology
     cfg = read_json(os.path.join(done[1], "config.json"))
-    assert loaders.refusals(cfg, Topology(2)) == []
-    (problem, where), *_ = loaders.refusals(cfg, Topology(4))
+    assert loaders.refusals(cfg, Topology(2), RELEASE) == []
+    (problem, where), *_ = loaders.refusals(cfg, Topology(4), RELEASE)
     assert "num_attention_heads" in problem and "bailing_moe_v3.py 480" in where
 
 
@@ -153,11 +154,11 @@ def test_fp8_shared_experts_split_below_a_block_are_refused_at_that_tp(shared_tp
     scheme refuses a per-rank size that is not whole 128-blocks (fp8_utils.py 1296-1344). verify
     --serving says so at TP 2, passes TP 1, and lists only TP 1 (tests/test_vllm_ling.py checks the
     refusals against vLLM's own classes)."""
-    from converter import serving
+    import serving_rules as serving
     dst = shared_tp["1x128"]
-    assert all(r.ok for r in serving.check_serving(dst, "vllm-rocm", 1))
+    assert all(r.ok for r in serving.rules(dst, "vllm-rocm", 1))
     for server in ("vllm-rocm", "vllm-cuda", "vllm-rocm-plugin"):
-        loader = {r.rule: r for r in serving.check_serving(dst, server, 2)}["loader"]
+        loader = {r.rule: r for r in serving.rules(dst, server, 2)}["loader"]
         assert not loader.ok, server
         assert "model.layers.1.mlp.shared_experts.down_proj: per-rank input 128/2=64 is not whole 128-blocks at " \
                "TP 2 (and 3 more FP8 linears)" in loader.message, loader.message
@@ -166,11 +167,11 @@ def test_fp8_shared_experts_split_below_a_block_are_refused_at_that_tp(shared_tp
         assert "vLLM pads its shared experts' intermediate 128 to 256" in loader.detail
         assert "fp8_utils.py validate_fp8_block_shape 1296-1344" in loader.detail
     config, tensors = serving.load(dst)
-    check = serving.serving_check(config, tensors, "vllm-rocm", 2)
+    check = serving.check_of(config, tensors, "vllm-rocm", 2)
     assert "TP sizes that pass: 1" in check.notes, check.notes
-    assert {r.rule: r for r in serving.check_serving(shared_tp["2x128"], "vllm-rocm", 2)}["loader"].ok
+    assert {r.rule: r for r in serving.rules(shared_tp["2x128"], "vllm-rocm", 2)}["loader"].ok
 
 
 def test_sglang_is_not_given_vllms_fp8_rule(shared_tp):
-    from converter import serving
-    assert {r.rule: r for r in serving.check_serving(shared_tp["1x128"], "sglang-rocm", 2)}["loader"].ok
+    import serving_rules as serving
+    assert {r.rule: r for r in serving.rules(shared_tp["1x128"], "sglang-rocm", 2)}["loader"].ok

@@ -18,9 +18,9 @@ import mimo_v2_fixture as mimo
 from conftest import (
     all_tensors, assert_verified_and_on_triton, converted_model, ct_int4_values, ct_mxfp4_values,
     read_json, tensor_bytes, with_config)
-from converter import serving
+import serving_rules as serving
 from converter.errors import BadInput
-from converter.formats.dialect import _matches
+from converter.formats.match import match_name
 from converter.pipeline import Options, convert
 from converter.verify import verify
 
@@ -59,9 +59,9 @@ def test_config_names_experts_and_fp8_linears_only(done):
     assert block["quant_method"] == "compressed-tensors"
     int4, fp8 = block["config_groups"]["group_0"], block["config_groups"]["group_1"]
     for proj in ("gate_proj", "up_proj", "down_proj"):   # vLLM's lookup (compressed_tensors_moe.py 36-58)
-        assert any(_matches(f"model.layers.1.mlp.experts.0.{proj}", t) for t in int4["targets"])
-    assert not any(_matches("model.layers.0.mlp.gate_proj", t) for t in int4["targets"])
-    assert not any(_matches(n, t) for t in int4["targets"] for n in ("model.layers.1.mlp.gate", "lm_head"))
+        assert any(match_name(f"model.layers.1.mlp.experts.0.{proj}", t) for t in int4["targets"])
+    assert not any(match_name("model.layers.0.mlp.gate_proj", t) for t in int4["targets"])
+    assert not any(match_name(n, t) for t in int4["targets"] for n in ("model.layers.1.mlp.gate", "lm_head"))
     assert fp8["format"] == "float-quantized" and fp8["weights"]["block_structure"] == [128, 128]
     assert fp8["weights"]["strategy"] == "block" and fp8["input_activations"]["dynamic"] is True
     assert "model.layers.1.self_attn.q_proj" in fp8["targets"] and "model.layers.0.mlp.down_proj" in fp8["targets"]
@@ -120,5 +120,5 @@ def test_v26_flash_layout_converts(tmp_path):
         tensor_bytes(after["model.mtp.layers.0.eh_proj.weight_scale"][1])
     result = verify(dst, src)
     assert result.ok, [p for c in result.checks for p in c.problems]
-    rocm = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", 1)}
+    rocm = {r.rule: r for r in serving.rules(dst, "vllm-rocm", 1)}
     assert all(r.ok for r in rocm.values()), [r.message for r in rocm.values() if not r.ok]

@@ -18,8 +18,8 @@ import minimax_m3_fixture as mm3
 from conftest import (
     all_tensors, assert_missing_module_named, converted_model, ct_int4_values, ct_mxfp4_values,
     read_json, tensor_bytes)
-from converter import serving
-from converter.formats.dialect import _matches
+import serving_rules as serving
+from converter.formats.match import match_name
 from converter.pipeline import Options, convert
 
 
@@ -52,7 +52,7 @@ def test_targets_select_the_experts_under_vllms_names_only(done):
     targets, ignore = group["targets"], block["ignore"]
 
     def selected(name: str) -> bool:
-        return not any(_matches(name, p) for p in ignore) and any(_matches(name, t) for t in targets)
+        return not any(match_name(name, p) for p in ignore) and any(match_name(name, t) for t in targets)
 
     layer = "language_model.model.layers.1.block_sparse_moe.experts"
     for proj in ("gate_proj", "up_proj", "down_proj"):   # vLLM's lookup (compressed_tensors_moe.py 36-58)
@@ -74,14 +74,16 @@ def test_activation_kept(done):
     assert (meta["hidden_act"], meta["swiglu_alpha"], meta["swiglu_limit"]) == ("swigluoai", "1.702", "7.0")
 
 
-def test_serving_vllm_rocm_passes_triton_sglang_fails(done):
+@pytest.mark.parametrize("vllm, beta", [("0.33", "beta 1.0 (default)"), ("0.34", "beta 1.0 (fixed)")])
+def test_serving_vllm_rocm_passes_triton_sglang_fails(done, vllm, beta):
+    """vLLM 0.33 passes the config's swiglu_beta (1.0 when absent); 0.34's class fixes it at 1.0."""
     _, dst = done
-    ok = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", 1)}
+    ok = {r.rule: r for r in serving.rules(dst, "vllm-rocm", 1, vllm=vllm)}
     assert all(r.ok for r in ok.values()), [r.message for r in ok.values() if not r.ok]
     note = ok["kernel"].message
     assert "TRITON (TritonWNA16Experts)" in note and "swigluoai_uninterleave" in note
-    assert "alpha 1.702" in note and "limit 7.0" in note and "beta 1.0 (default)" in note
-    sg = {r.rule: r for r in serving.check_serving(dst, "sglang-rocm", 1)}
+    assert "alpha 1.702" in note and "limit 7.0" in note and beta in note
+    sg = {r.rule: r for r in serving.rules(dst, "sglang-rocm", 1)}
     assert not sg["kernel"].ok and "asserts activation == 'silu'" in sg["kernel"].message
 
 
@@ -111,7 +113,7 @@ def test_a_non_expert_mxfp4_linear_becomes_exact_bf16(done, tmp_path):
     assert set(ours) == set(plain)
     assert all(tensor_bytes(ours[n][1]) == tensor_bytes(plain[n][1]) for n in plain if ".experts." in n)
     group = read_json(os.path.join(dst, "config.json"))["quantization_config"]["config_groups"]["group_0"]
-    assert not any(_matches(name, x) for x in group["targets"])
+    assert not any(match_name(name, x) for x in group["targets"])
     assert_verified_and_on_triton(src, dst, activation="swigluoai_uninterleave")
 
 

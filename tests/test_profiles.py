@@ -2,7 +2,7 @@
 shown by `inspect`, and an incomplete K3 download caught in preflight, naming what is missing.
 
 The expected counts and names are derived here from the fixture's own config and index (and,
-for the real model, from SPEC.md's numbers), never from the profile code under test.
+for the real model, from docs/spec.md's numbers), never from the profile code under test.
 """
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ else:  # pragma: no cover
 
 CT013 = os.path.join(os.path.dirname(__file__), "data", "ct013-mxfp4")
 BUNDLED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "profiles")
-K3_MODULE = "language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}"  # SPEC.md §1
+K3_MODULE = "language_model.model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}"  # docs/spec.md §1
 CT_FIELDS = ("quantization_config.quant_method = 'compressed-tensors'",
              "quantization_config.format = 'mxfp4-pack-quantized'")
 
 
 def k3_inventory(spec: FixtureSpec = SPEC) -> dict[str, tuple[int, int]]:
-    """Every routed expert matrix a K3-shaped checkpoint must hold, from SPEC.md's layout."""
+    """Every routed expert matrix a K3-shaped checkpoint must hold, from docs/spec.md's layout."""
     shapes = {"w1": (spec.inter, spec.latent), "w2": (spec.latent, spec.inter), "w3": (spec.inter, spec.latent)}
     return {K3_MODULE.format(layer=layer, expert=e, proj=p): s
             for layer in range(1, spec.layers) for e in range(spec.experts) for p, s in shapes.items()}
@@ -226,7 +226,7 @@ def test_k3_profile_requires_the_situ_fields(src_copy, tmp_path):
 # ------------------------------------------------------------------ 3. incomplete download
 
 def test_real_k3_inventory_and_the_issue_message():
-    """The real model's numbers (SPEC.md §1): 92 MoE layers x 896 experts x 3 = 247,296."""
+    """The real model's numbers (docs/spec.md §1): 92 MoE layers x 896 experts x 3 = 247,296."""
     spec = FixtureSpec(layers=93, experts=896, hidden=7168, inter=3072, latent=3584)
     expected = profiles.expected_modules(profiles.named("kimi-k3"), k3_config(spec))
     assert expected == k3_inventory(spec) and len(expected) == 247_296

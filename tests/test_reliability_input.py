@@ -1,4 +1,4 @@
-"""Issue 15 §1, input side: one case per defect of /work/shared/RELIABILITY.md (D1-D5, D7, D8,
+"""Issue 15 §1, input side: one case per defect of docs/reliability.md (D1-D5, D7, D8,
 D15, D24-D26), each of which failed before its fix.
 
 Source cases damage a copy of the session fixture (bytes with a hand-written safetensors

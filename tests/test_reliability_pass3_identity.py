@@ -1,4 +1,4 @@
-"""Defects of the third adversarial pass (/work/shared/RELIABILITY.md "Pass 3", main 74b0137) about
+"""Defects of the third adversarial pass (the third pass of docs/reliability.md, main 74b0137) about
 the identity of a source (S1-S3), options and job files (S10-S13) and a side file gone from SRC
 (S15): each test failed on 74b0137. docs/reliability.md maps each to its mechanism.
 """

@@ -1,4 +1,4 @@
-"""Defects of the third adversarial pass (/work/shared/RELIABILITY.md "Pass 3", main 74b0137), section 2
+"""Defects of the third adversarial pass (the third pass of docs/reliability.md, main 74b0137), section 2
 of issue 25: inputs the config does not describe (S4-S9). Each test failed on 74b0137.
 docs/reliability.md maps each to its mechanism.
 """
@@ -12,7 +12,7 @@ import pytest
 
 import minimax_m3_fixture as mm3
 from conftest import assert_clean_error, assert_not_complete, read_json, run_cli, write_json
-from converter import serving
+import serving_rules as serving
 from converter.fixture import FixtureSpec, config as k3_config
 from converter.formats.dialect import int4_block
 from converter.vllm_plugin import route

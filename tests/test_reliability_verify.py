@@ -196,22 +196,12 @@ def test_r15_a_file_nobody_names_fails_verify_and_upload(converted, tmp_path, na
     assert r.exit_code == 5 and name in r.output, r.output
 
 
-class _Api:
-    def __init__(self):
-        self.calls = []
-
-    def create_repo(self, repo_id, **kw):
-        return f"https://hub.invalid/{repo_id}"
-
-    def upload_folder(self, **kw):
-        self.calls.append(kw)
+from hub_standin import RecordingApi as _Api  # noqa: E402 (records what upload sends; no network)
 
 
 def test_r15_upload_sends_exactly_the_files_verify_accepted(converted, tmp_path):
     """Temporaries are named by verify (not part of the output) and never sent; every other file
     sent is one verify accepted, and each accepted one is sent."""
-    from huggingface_hub.utils import filter_repo_objects
-
     from converter.hub import upload
 
     dst = copy_dst(converted, tmp_path)
@@ -221,10 +211,7 @@ def test_r15_upload_sends_exactly_the_files_verify_accepted(converted, tmp_path)
     assert accepted.ok, accepted.problems
     api = _Api()
     res = upload(dst, "someone/k3-int4", api=api)
-    everything = sorted(os.path.relpath(os.path.join(d, f), dst) for d, _, fs in os.walk(dst) for f in fs)
-    kw = api.calls[0]
-    sent = sorted(filter_repo_objects(everything, allow_patterns=kw.get("allow_patterns"),
-                                      ignore_patterns=kw.get("ignore_patterns")))
+    sent = sorted(api.committed)
     assert sent == sorted(accepted.files + ["README.md"]) == sorted(p for p, _ in res.files)
 
 
@@ -268,3 +255,77 @@ def test_r17_verify_names_temporaries_left_in_a_complete_dst(converted, tmp_path
     for rel in left:
         assert rel in r.output, (rel, r.output)
     assert not set(left) & set(verify(dst).files)
+
+
+# ------------------------------------------------------------------------------ issue 32 T3: a config the loader reads otherwise
+
+def _retarget(dst: str, edit) -> None:
+    """Edit DST's int4 block, then make the manifest agree (a careful tamperer)."""
+    path = os.path.join(dst, "config.json")
+    cfg = read_json(path)
+    edit(cfg["text_config"]["quantization_config"])
+    write_json(path, cfg)
+    restamp(dst, "config.json")
+
+
+def _bf16_linears(dst: str) -> list[str]:
+    """DST's bf16 modules with a 2-D weight: torch Linears to compressed-tensors' loader."""
+    from safetensors import safe_open
+
+    out = []
+    for s in shard_names(dst):
+        with safe_open(os.path.join(dst, s), "pt") as f:
+            out += [n[:-7] for n in f.keys() if n.endswith(".weight") and len(f.get_slice(n).get_shape()) == 2]  # noqa: SIM118 (safe_open)
+    return sorted(out)
+
+
+def test_t3_a_linear_target_selects_the_bf16_linears(converted, tmp_path):
+    """targets ["Linear"]: compressed-tensors' is_match selects every bf16 Linear for int4; plain verify,
+    verify with the loader's own matcher, and upload --dry-run all refuse it."""
+    from compressed_tensors.utils.match import is_match
+    from torch import nn
+
+    dst = copy_dst(converted, tmp_path)
+    _retarget(dst, lambda b: b["config_groups"]["group_0"].update(targets=["Linear"]))
+    block = read_json(os.path.join(dst, "config.json"))["text_config"]["quantization_config"]
+    selected = [m for m in _bf16_linears(dst) if is_match(m, nn.Linear(1, 1, device="meta"), ["Linear"], block["ignore"])]
+    assert selected  # what the loader does with this config
+    for found in (problems(dst), verify(dst, loader_matcher=True).problems):
+        assert any(f"select {len(selected)} module(s) that are not int4" in p and selected[0] in p for p in found), found
+        assert any("group_0.targets is ['Linear'], the converter writes ['re:" in p for p in found), found
+    r = run_cli("upload", dst, "someone/k3-int4", "--dry-run")
+    assert r.exit_code == 5 and "not int4" in r.output, r.output
+
+
+def test_t3_a_config_other_than_the_converters_fails_plain_verify(converted, tmp_path):
+    """targets ["Linear"] with every bf16 Linear ignored by name selects exactly the converted modules
+    for compressed-tensors, but vLLM asks int4 of its fused layers under names the list lacks: the
+    block is held to what the converter writes for DST's modules."""
+    dst = copy_dst(converted, tmp_path)
+    linears = _bf16_linears(dst)
+
+    def edit(b):
+        b["config_groups"]["group_0"]["targets"] = ["Linear"]
+        b["ignore"] = sorted(set(b["ignore"]) | set(linears))
+    _retarget(dst, edit)
+    found = problems(dst)
+    assert not any("not int4" in p or "do not select" in p for p in found), found   # is_match: exactly right
+    assert any("quantization_config.config_groups.group_0.targets is ['Linear'], the converter writes" in p
+               for p in found), found
+    r = run_cli("upload", dst, "someone/k3-int4", "--dry-run")
+    assert r.exit_code == 5 and "the converter writes" in r.output, r.output
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda b: b["config_groups"]["group_0"]["weights"].update(observer="mse"), "weights.observer is 'mse'"),
+    (lambda b: b.update(sparsity_config={"format": "dense"}), "sparsity_config is {'format': 'dense'}"),
+    (lambda b: b["ignore"].append("re:.*experts.0.gate_proj"), "catch converted experts under the name vLLM asks"),
+])
+def test_t3_other_fields_the_converter_does_not_write(converted, tmp_path, edit, needle):
+    dst = copy_dst(converted, tmp_path)
+    _retarget(dst, edit)
+    assert any(needle in p for p in problems(dst)), problems(dst)
+
+
+def test_t3_the_converters_own_config_passes(converted):
+    assert problems(converted.dst) == []

@@ -334,7 +334,9 @@ def test_ctrl_c_exits_130_promptly_then_resumes(slow, slow_dst):
     took = time.monotonic() - t0
     assert rc == 130, run.log()
     assert took < 15, f"Ctrl-C took {took:.1f} s to stop the run"
-    assert any("interrupted" in line and "resume" in line for line in run.text), run.log()
+    failed = [e for e in run.events if e.get("event") == "failed"]   # the error, as the last event
+    assert failed and "interrupted" in failed[-1]["error"] and "resume" in failed[-1]["error"], run.log()
+    assert failed[-1]["exit_code"] == 130
     assert not partials(dst)  # the shard in progress was dropped on the way out
     assert_not_complete(dst)
     finished = records(dst)
@@ -540,7 +542,8 @@ def test_second_run_on_same_dst_refused_first_completes(slow, slow_dst):
         rc_b = b.finish(120)
         took = time.monotonic() - t0
         assert rc_b == 4, b.log()
-        assert any("another k3convert run" in line for line in b.text), b.log()
+        assert any("another k3convert run" in e.get("error", "") for e in b.events if e.get("event") == "failed"), \
+            b.log()
         assert not b.of("start") and took < 60, took
         assert partials(dst) == caught  # B left A's shard in progress alone
     finally:

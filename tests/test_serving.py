@@ -21,9 +21,13 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from compressed_tensors.quantization.quant_scheme import W4A16
 
-from converter import loaders, serving
-from converter.serving import RULES, SERVERS, check_serving, evaluate
-from converter.topology import Topology, local_experts, pp_stages
+import serving_rules as serving
+from converter.servers import loaders
+from converter.servers.releases import VLLM
+from converter.servers import check
+from converter.servers.rules import RULES, SERVERS, ServingRequest
+from serving_rules import rules as check_serving, rules_of as evaluate
+from converter.servers.topology import Topology, local_experts, pp_stages
 from converter.vllm_plugin import route
 from conftest import (SPEC, ct_mxfp4_encode, read_json, rewrite_shard, run_cli, shard_names, sync_index,
                       write_json)
@@ -318,7 +322,7 @@ def test_k3_tp_sizes_that_pass_on_cuda():
     """K3's intermediate 3072 on vLLM CUDA: the sizes without KimiMoE padding whose per-rank size is
     whole groups (74b0137 listed 16-48 as fitting, where KimiMoE pads)."""
     config, tensors = k3_headers(layers=1, experts=2)
-    ctx = serving._context(config, tensors, "vllm-cuda")
+    ctx = serving.ctx_of(config, tensors, "vllm-cuda")
     assert serving.passing_tp(ctx, Topology(1)) == [1, 2, 3, 4, 6, 8, 12]
 
 
@@ -605,8 +609,8 @@ TWO_NODE = {"TP 8 + EP": Topology(8, ep=True), "DP 2 x TP 8 + EP": Topology(8, d
             "PP 2 x TP 8": Topology(8, pp=2)}
 
 
-def _vllm_split():
-    """vLLM 0.33.0's own FusedMoEParallelConfig (fused_moe/config.py), determine_expert_map
+def _vllm_split(release: str):
+    """A vLLM release's own FusedMoEParallelConfig (fused_moe/config.py), determine_expert_map
     (expert_map_manager.py) and get_pp_indices (distributed/utils.py), compiled from the released
     files with the process-group getters stubbed."""
     import ast
@@ -622,22 +626,24 @@ def _vllm_split():
     for rel, names in (("model_executor/layers/fused_moe/config.py", {"FusedMoEParallelConfig"}),
                        ("model_executor/layers/fused_moe/expert_map_manager.py", {"determine_expert_map"}),
                        ("distributed/utils.py", {"get_pp_indices"})):
-        tree = ast.parse(released_file("K3CONVERT_VLLM033_SRC", rel).read_text())
+        tree = ast.parse(released_file(release, rel).read_text())
         found = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names]
         assert {n.name for n in found} == names, rel
         exec(compile(ast.Module(body=found, type_ignores=[]), rel, "exec"), ns)
     return ns
 
 
+@pytest.mark.parametrize("release", ["K3CONVERT_VLLM033_SRC", "K3CONVERT_VLLM034_SRC"])
 @pytest.mark.parametrize("tp, dp, ep", [(8, 1, True), (8, 2, True), (8, 2, False), (16, 1, False), (16, 1, True),
                                         (1, 1, True), (1, 4, True), (4, 2, False), (1, 1, False)])
-def test_topology_is_vllms_own_split(tp, dp, ep):
-    """The MoE's tp_size, ep_size, all2all and the experts per rank, against vLLM 0.33.0's own code run
-    for every rank (FusedMoEParallelConfig.make, determine_expert_map), and the PP stages against
-    get_pp_indices."""
-    ns = _vllm_split()
+def test_topology_is_vllms_own_split(tp, dp, ep, release):
+    """The MoE's tp_size, ep_size, all2all and the experts per rank, against vLLM 0.33.0's and 0.34.0's
+    own code run for every rank (FusedMoEParallelConfig.make, determine_expert_map), and the PP stages
+    against get_pp_indices."""
+    ns = _vllm_split(release)
     topo = Topology(tp, dp=dp, ep=ep)
-    par = SimpleNamespace(enable_expert_parallel=ep, all2all_backend="allgather_reducescatter", enable_eplb=False)
+    par = SimpleNamespace(enable_expert_parallel=ep, all2all_backend="allgather_reducescatter", enable_eplb=False,
+                          mori_ep_v2=False)   # 0.34: the MoRI EPv2 switch, off by default
     held = []
     for dp_rank in range(dp):
         for tp_rank in range(tp):
@@ -663,7 +669,7 @@ def test_two_node_topologies_at_k3_dims():
     per_expert = 3 * 3072 * 3584 * (0.5 + 2 / 32)           # int4 + bf16 scale per 32, bytes
     want = {"TP 8 + EP": (112, 3072, 4), "DP 2 x TP 8 + EP": (56, 3072, 4), "PP 2 x TP 8": (896, 384, 2)}
     for name, topo in TWO_NODE.items():
-        c = serving.serving_check(config, tensors, "vllm-rocm-plugin", topo)
+        c = serving.check_of(config, tensors, "vllm-rocm-plugin", topo)
         assert c.ok and c.summary == f"vllm-rocm-plugin at {name}: {len(RULES)}/{len(RULES)} rules pass", c.problems
         local, inter, layers = want[name]
         gb = per_expert * local * inter / 3072 * layers / 1e9
@@ -674,7 +680,7 @@ def test_two_node_topologies_at_k3_dims():
         assert ("all2all" in text) == (name == "DP 2 x TP 8 + EP")
         assert all(len(n) <= 160 for n in c.notes), c.notes
     # without --ep, DP flattens the MoE's TP to 16: 192 channels per rank, which the plugin refuses
-    c = serving.serving_check(config, tensors, "vllm-rocm-plugin", Topology(8, dp=2))
+    c = serving.check_of(config, tensors, "vllm-rocm-plugin", Topology(8, dp=2))
     assert not c.ok and "per-rank intermediate size 192 is not a multiple of 128" in c.problems[0]
     assert any("with EP: 1, 2, 3, 4, 5, 6, 7, 8" in n for n in c.notes), c.notes
 
@@ -691,7 +697,7 @@ def test_cli_topology_flags(servable):
 
 
 def _passes(config, tensors, server, topo) -> bool:
-    return all(r.ok for r in serving.evaluate(config, tensors, server, topo))
+    return all(r.ok for r in serving.rules_of(config, tensors, server, topo))
 
 
 @pytest.mark.parametrize("server", ["vllm-rocm-plugin", "vllm-cuda", "vllm-rocm", "sglang-cuda"])
@@ -703,26 +709,29 @@ def test_advice_lists_exactly_the_sizes_that_pass(server, dims):
     inter, hidden = dims
     config, tensors = k3_headers(layers=1, experts=2, inter=inter, hidden=hidden,
                                  act=None if server != "sglang-cuda" else {"hidden_act": "silu"})
-    ctx = serving._context(config, tensors, server)
+    ctx = serving.ctx_of(config, tensors, server)
     for topo in (Topology(4), Topology(4, ep=True)) if server.startswith("vllm") else (Topology(4),):
         listed = serving.passing_tp(ctx, topo, limit=20)
         for t in range(1, 21):
             assert _passes(config, tensors, server, topo.with_tp(t)) == (t in listed), (t, listed)
     if server == "vllm-rocm-plugin" and dims == (192, 128):
         assert not any(_passes(config, tensors, server, Topology(t)) for t in (1, 2, 3, 6))
-        c = serving.serving_check(config, tensors, server, 4)
+        c = serving.check_of(config, tensors, server, 4)
         assert "TP sizes that pass: none up to 64" in c.notes
 
 
-def test_findings_are_short_and_cite_under_verbose(servable):
-    """One short line per finding; the file-and-line citations only with --verbose."""
-    args = ("verify", servable, "--no-checksums", "--serving", "vllm-rocm", "--tp", "8")
+@pytest.mark.parametrize("vllm, cites", [
+    ("0.33", ("vllm 0.33.0 fused_moe/oracle/int_wna16.py 126-143", "vllm 0.33.0 fused_moe/config.py 1198-1201")),
+    ("0.34", ("vllm 0.34.0 fused_moe/oracle/int_wna16.py 130-147", "vllm 0.34.0 fused_moe/config.py 1235-1238")),
+])
+def test_findings_are_short_and_cite_under_verbose(servable, vllm, cites):
+    """One short line per finding; the file-and-line citations, of the release asked about, only with --verbose."""
+    args = ("verify", servable, "--no-checksums", "--serving", "vllm-rocm", "--tp", "8", "--vllm-version", vllm)
     short, verbose = run_cli(*args), run_cli(*args, "--verbose")
     assert short.exit_code == verbose.exit_code == 5
     assert len(problem_lines(short.output)) == 1 and problem_lines(short.output) == problem_lines(verbose.output)
     assert all(len(ln) <= SHORT + 8 for ln in short.output.splitlines() if "serving" in ln or "- rule" in ln)
-    for cite in ("fused_moe/oracle/int_wna16.py 126-143", "fused_moe/config.py 1198-1201",
-                 "rule kernel fix: for SiTU experts"):
+    for cite in (*cites, "rule kernel fix: for SiTU experts"):
         assert cite not in short.output and cite in verbose.output, cite
 
 
@@ -749,8 +758,9 @@ def test_aiter_missing_is_reported_as_missing():
 
 @pytest.mark.parametrize("version, crashes", [("0.33.0", True), ("0.33.1", True), ("0.33.0+rocm700", True),
                                               ("0.33.2rc1", True), ("0.33.1.dev12+g1234", True),
-                                              ("0.34.0", False), ("0.32.1", False), ("0.3.3", False), ("", False)])
-def test_padding_crash_matches_every_033_build(version, crashes):
+                                              ("0.34.0", True), ("0.34.1+rocm7", True), ("0.35.0", False), ("0.32.1", False), ("0.3.3", False), ("", False)])
+def test_padding_crash_matches_every_proven_build(version, crashes):
+    """0.33.x and 0.34.x KimiMoE zero the padding through the MoE runner (the same code in both)."""
     assert bool(route.padding_refusal(3072, 16, 256, version)) == crashes
     assert route.padding_refusal(3072, 8, 256, version) is None      # 384 per rank: nothing padded
 
@@ -772,56 +782,67 @@ def _moe_headers(model_type: str, experts: int, text: dict, name="model.layers.{
 
 
 @pytest.mark.parametrize("model_type, key, where, text", [
-    ("minimax_m3_text", "num_local_experts", "models/minimax_m3/amd/model.py 362-366",
+    ("minimax_m3_text", "num_local_experts", {"0.33": "models/minimax_m3/amd/model.py 362-366",
+                                              "0.34": "models/minimax_m3/amd/model.py 433-437"},
      {"hidden_act": "swigluoai", "swiglu_alpha": 1.702, "swiglu_limit": 7.0}),
-    ("mimo_v2", "n_routed_experts", "model_executor/models/mimo_v2.py 138-142", {"hidden_act": "silu"}),
+    ("mimo_v2", "n_routed_experts", {"0.33": "model_executor/models/mimo_v2.py 138-142",
+                                     "0.34": "model_executor/models/mimo_v2.py 138-142"}, {"hidden_act": "silu"}),
 ])
-def test_tp_above_the_expert_count_is_refused(model_type, key, where, text):
+@pytest.mark.parametrize("vllm", ["0.33", "0.34"])
+def test_tp_above_the_expert_count_is_refused(model_type, key, where, text, vllm):
     """vLLM refuses TP > number of experts for MiniMax-M3 and MiMo-V2; 74b0137 passed TP 16 with 8."""
     config, tensors = _moe_headers(model_type, 8, {**text, key: 8, "num_attention_heads": 64})
+    where = f"vllm {vllm}.0 {where[vllm]}"
     for server in ("vllm-rocm", "vllm-cuda"):
-        res = {r.rule: r for r in serving.evaluate(config, tensors, server, 16)}
+        res = {r.rule: r for r in serving.rules_of(config, tensors, server, 16, vllm)}
         assert not res["loader"].ok and res["loader"].message == \
             f"rule loader: TP 16 > {key} 8: vLLM's loader refuses it", res["loader"].message
         assert where in res["loader"].detail
         assert [r for r in res.values() if not r.ok] == [res["loader"]]
-        assert all(r.ok for r in serving.evaluate(config, tensors, server, 8))
-        assert all(r.ok for r in serving.evaluate(config, tensors, server, Topology(8, dp=2, ep=True)))
-        assert all(r.ok for r in serving.evaluate(config, tensors, "sglang-cuda", 16) if r.rule == "loader")
+        assert all(r.ok for r in serving.rules_of(config, tensors, server, 8))
+        assert all(r.ok for r in serving.rules_of(config, tensors, server, Topology(8, dp=2, ep=True)))
+        assert all(r.ok for r in serving.rules_of(config, tensors, "sglang-cuda", 16) if r.rule == "loader")
 
 
-def test_heads_and_kv_heads_refusals():
+@pytest.mark.parametrize("vllm, mla, kda", [
+    ("0.33", "vllm 0.33.0 models/kimi_k3/amd/linear.py 405 (MLA)", "kda.py 130-131"),
+    ("0.34", "vllm 0.34.0 models/kimi_k3/amd/linear.py 410 (MLA)", "kda.py 170-171")])
+def test_heads_and_kv_heads_refusals(vllm, mla, kda):
     """The engine refuses heads TP does not divide (config/model.py 1557-1563); Kimi's KDA heads
-    (kda.py 130-131); MiniMax's KV-head rule (model.py 519-523); a MiMo with non-silu experts."""
+    (kda.py 130-131); MiniMax's KV-head rule (model.py 519-523); a MiMo with non-silu experts. Each
+    cited from the release asked about (0.34.0's linear.py moved by 5 lines)."""
     config, tensors = k3_headers(layers=1, experts=2)
     config["text_config"].update(num_attention_heads=64, linear_attn_config={"num_heads": 96, "head_dim": 128})
-    assert next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 8) if r.rule == "loader").ok
-    r = next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 5) if r.rule == "loader")
+    assert next(r for r in serving.rules_of(config, tensors, "vllm-cuda", 8, vllm) if r.rule == "loader").ok
+    r = next(r for r in serving.rules_of(config, tensors, "vllm-cuda", 5, vllm) if r.rule == "loader")
     assert r.message == "rule loader: num_attention_heads 64 not divisible by TP 5: vLLM's loader refuses it (and 1 " \
-                        "more)" and "linear.py 405 (MLA)" in r.detail and "kda.py 130-131" in r.detail
+                        "more)" and mla in r.detail and kda in r.detail
     assert "linear_attn_config.num_heads 96 not divisible by TP 5" in r.detail
-    r = next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 3) if r.rule == "loader")
+    r = next(r for r in serving.rules_of(config, tensors, "vllm-cuda", 3) if r.rule == "loader")
     assert r.message.startswith("rule loader: num_attention_heads 64 not divisible by TP 3") and "more" not in r.message
     config["text_config"]["num_attention_heads"] = 96
-    r = next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 12) if r.rule == "loader")
+    r = next(r for r in serving.rules_of(config, tensors, "vllm-cuda", 12) if r.rule == "loader")
     assert r.ok
     mm, mt = _moe_headers("minimax_m3_vl", 8, {"text_config": {"model_type": "minimax_m3_text",
                                                                "num_key_value_heads": 4, "num_attention_heads": 48}},
                           inter=768)
-    msgs = [r.message for r in serving.evaluate(mm, mt, "vllm-rocm", 6) if not r.ok]
+    msgs = [r.message for r in serving.rules_of(mm, mt, "vllm-rocm", 6) if not r.ok]
     assert msgs == ["rule loader: num_key_value_heads 4 and TP 6 do not divide one another: vLLM's loader "
                     "refuses it"], msgs
     mi, ti = _moe_headers("mimo_v2_flash", 8, {"hidden_act": "gelu", "n_routed_experts": 8})
-    assert any("hidden_act is 'gelu', not 'silu'" in r.message for r in serving.evaluate(mi, ti, "vllm-rocm", 1))
+    assert any("hidden_act is 'gelu', not 'silu'" in r.message for r in serving.rules_of(mi, ti, "vllm-rocm", 1))
 
 
 def test_a_model_is_added_by_one_table_entry(monkeypatch):
     """LOADERS is the per-model table: a new model type's refusal is checked once it is listed."""
     config, tensors = _moe_headers("bailing_moe_v3", 8, {"num_experts": 8})
-    assert all(r.ok for r in serving.evaluate(config, tensors, "vllm-cuda", 16) if r.rule == "loader")
-    monkeypatch.setitem(loaders.LOADERS, "bailing_moe_v3", (loaders.Refusal("num_experts", "tp<=", "somewhere 1-2"),))
-    r = next(r for r in serving.evaluate(config, tensors, "vllm-cuda", 16) if r.rule == "loader")
-    assert not r.ok and "TP 16 > num_experts 8" in r.message and r.detail == "somewhere 1-2"
+    assert all(r.ok for r in serving.rules_of(config, tensors, "vllm-cuda", 16) if r.rule == "loader")
+    monkeypatch.setitem(loaders.LOADERS, "bailing_moe_v3", (loaders.Refusal("num_experts", "tp<=", "loader.new"),))
+    for release in VLLM:   # and its line, one entry per release
+        monkeypatch.setitem(release.cites, "loader.new", "$V somewhere 1-2")
+        r = next(r for r in serving.rules_of(config, tensors, "vllm-cuda", 16, vllm=release.version)
+                 if r.rule == "loader")
+        assert not r.ok and "TP 16 > num_experts 8" in r.message and r.detail == f"vllm {release.version} somewhere 1-2"
 
 
 @pytest.fixture(scope="module")
@@ -847,3 +868,54 @@ def test_cli_refuses_tp_above_experts_on_converted_outputs(moe_outputs, name, ke
     assert advice in r.output     # the fixtures' 2 heads: TP 2 at most
     r = run_cli("verify", moe_outputs[name], "--no-checksums", "--serving", "vllm-rocm", *passing)
     assert r.exit_code == 0, r.output
+
+
+# ---------------------------------------------------------------- issue 33 section 4: does a rank fit its GPU
+
+@pytest.fixture(scope="module")
+def k3_full_headers():
+    """Kimi K3's 92 MoE layers x 896 experts at its expert dims (headers only), plus 30 GB of other
+    weights (attention, shared experts, embeddings), and its 93 decoder layers."""
+    config, tensors = k3_headers(layers=92, experts=896)
+    config["text_config"]["num_hidden_layers"] = 93
+    tensors["language_model.model.embed_tokens.weight"] = SimpleNamespace(dtype="BF16", shape=(15_000_000_000 // 7168, 7168))
+    return config, tensors
+
+
+def _memory(config, tensors, topo, **kw):
+    req = ServingRequest.parse("vllm-rocm-plugin", topo, **kw)
+    results = {r.rule: r for r in check.evaluate(config, tensors, req)}
+    return results["memory"], check.serving_check(config, tensors, req)
+
+
+def test_k3_at_tp8_ep_fits_mi325x_not_mi300x(k3_full_headers):
+    """191 GB of experts per rank at TP 8 + EP: over MI300X's 192 GiB x 0.9, under MI325X's 256 GiB x 0.9."""
+    config, tensors = k3_full_headers
+    rule, c = _memory(config, tensors, Topology(8, ep=True))
+    assert rule.ok, rule.message
+    note = next(n for n in c.notes if n.startswith("weights per rank"))
+    experts = 92 * 112 * 3 * 3072 * 3584 * (0.5 + 2 / 32)
+    assert f"experts {experts / 1e9:.3g}" in note and "the rest 3.75" in note, note
+    assert "MI300X 192 GiB x 0.9: does not fit" in note and "MI325X 256 GiB x 0.9: " in note
+    left = 256 * 2 ** 30 * 0.9 - experts - (15_000_000_000 // 7168) * 7168 * 2 // 8
+    assert f"{left / 1e9:.3g} GB left for the KV cache" in note, note
+
+
+def test_a_rank_that_fits_no_gpu_fails_and_the_sizes_that_fit_are_listed(k3_full_headers):
+    """On one node of 141 GB GPUs no TP size fits K3 with EP (TP 12: 75 experts a rank, 128 GB > 127;
+    TP 16: KimiMoE pads 192 to 256 and the plugin refuses): the advice says so; DP 2 fits."""
+    config, tensors = k3_full_headers
+    rule, c = _memory(config, tensors, Topology(8, ep=True), gpu_memory=141)      # an H200's 141 GB
+    assert not rule.ok and "fit no 141 GB GPU at utilization 0.9" in rule.message, rule.message
+    assert "TP sizes that pass with EP: none up to 64" in c.notes, c.notes
+    rule, _ = _memory(config, tensors, Topology(8, dp=2, ep=True), gpu_memory=141)
+    assert rule.ok, rule.message                        # DP 2 x TP 8 + EP: 56 experts a rank
+    rule, _ = _memory(config, tensors, Topology(8, ep=True), utilization=0.5)
+    assert not rule.ok and "fit no MI300X or MI325X at utilization 0.5" in rule.message
+
+
+def test_memory_options_are_validated_at_the_edge(servable):
+    r = run_cli("verify", servable, "--serving", "vllm-rocm", "--gpu-memory-utilization", "1.5")
+    assert r.exit_code == 2 and "--gpu-memory-utilization must be in (0, 1]" in r.output, r.output
+    r = run_cli("verify", servable, "--gpu-memory", "80")
+    assert r.exit_code == 2 and "used with --serving" in r.output

@@ -324,7 +324,9 @@ def test_failing_task_fails_with_its_log(slurm, src, tmp_path):
         assert_array_ok(r, tmp_path / "work", job_id, 2)
     msg = str(e.value)
     assert f"--- task 1 (k3convert-{job_id}_1.log)" in msg and "--- task 0" not in msg, msg
-    error = rf"^k3convert: error: file \S*{re.escape(scale_shard)}, tensor {re.escape(module)}\.weight_scale: .*NaN"
+    # the job logs JSON events (progress = "json"): the error is the last one, "failed"
+    error = (rf'^{{"event": "failed", .*"error": "file \S*{re.escape(scale_shard)}, tensor '
+             rf'{re.escape(module)}\.weight_scale: .*NaN')
     assert re.search(error, msg, re.M), msg
     assert "slurm_array.sh: task 1 (part 2/2) failed with exit 2" in msg, msg
     assert_not_complete(dst)

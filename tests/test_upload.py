@@ -1,17 +1,17 @@
 """`k3convert upload`: refusals, the model card, the dry run, and the upload itself.
 
-The real Hugging Face Hub is NOT reached by any test here. The upload test runs
+The real Hugging Face Hub is NOT reached by any test here. The upload tests run
 huggingface_hub's own client against a small fake Hub on 127.0.0.1 (http.server in a
 thread, HfApi(endpoint=...) and huggingface_hub.constants.ENDPOINT pointed at it) that
-implements just what create_repo, create_branch and upload_folder call: repo creation,
-branch creation, README YAML validation, preupload, the LFS batch API, LFS PUT, and the
-ndjson commit. A socket guard fails the test on any connection that is not to loopback.
+implements just what whoami, create_repo, create_branch, preupload_lfs_files and
+create_commit call: the token check, repo creation, branch creation, README YAML
+validation, preupload, the LFS batch API, LFS PUT, and the ndjson commit. A socket guard
+fails the test on any connection that is not to loopback.
 
-With hf_xet installed, huggingface_hub 2.x's upload_folder streams through the Xet
-protocol, which this stub does not implement; the test sets HF_HUB_DISABLE_XET so the
-same call takes the LFS path: the Xet transfer itself is not exercised here. The installed
-huggingface_hub (2.4.0) has no `upload_large_folder`; the branch that calls it on older
-versions is tested with a stand-in HfApi that records its arguments.
+With hf_xet installed, huggingface_hub 2.x uploads through the Xet protocol, which this stub
+does not implement; the tests set HF_HUB_DISABLE_XET so the same calls take the LFS path:
+the Xet transfer itself is not exercised here. Other tests use ``hub_standin.RecordingApi``,
+a stand-in HfApi that records what each call was given.
 """
 from __future__ import annotations
 
@@ -26,12 +26,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from click.testing import CliRunner
+from hub_standin import RecordingApi
 
+from converter import hub as hub_module
+from converter import publish
 from converter.cli import main
 from converter.errors import VerifyFailed
 from converter.fixture import FixtureSpec, make_fixture
-from converter import hub as hub_module
-from converter.hub import IGNORE, model_card, upload, upload_files
+from converter.hub import model_card, upload, upload_files
 from converter.manifest import MANIFEST, write_json
 from converter.pipeline import Options, convert
 
@@ -81,7 +83,8 @@ def _manifest(dst):
 # ----------------------------------------------------------------------------- a fake Hub
 
 class FakeHub:
-    """Just enough of the Hub's HTTP API for create_repo, create_branch and upload_folder (LFS)."""
+    """Just enough of the Hub's HTTP API for whoami, create_repo, create_branch, preupload_lfs_files and
+    create_commit (LFS)."""
 
     def __init__(self):
         self.requests: list[tuple[str, str, dict]] = []
@@ -90,6 +93,8 @@ class FakeHub:
         self.lfs: dict[str, bytes] = {}
         self.commits: list[dict] = []
         self.fail_commit: int | None = None  # an HTTP status to answer every commit with
+        self.tokens = {"hf_fake_token": "write"}  # token -> role, for whoami
+        self.on_request = None  # called with (method, path) before each request is answered
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -129,8 +134,16 @@ class FakeHub:
                 body = self._body()
                 path = self.path.split("?")[0]
                 hub.requests.append((method, path, {k.lower(): v for k, v in self.headers.items()}))
+                if hub.on_request:
+                    hub.on_request(method, path)
                 p = path.strip("/").split("/")
                 api = len(p) == 6 and p[:2] == ["api", "models"]
+                if method == "GET" and path == "/api/whoami-v2":
+                    token = self.headers.get("Authorization", "").removeprefix("Bearer ")
+                    if token not in hub.tokens:
+                        return self._send(401, {"error": "Invalid credentials in Authorization header"})
+                    return self._send(200, {"type": "user", "name": "someone", "orgs": [], "auth": {
+                        "type": "access_token", "accessToken": {"displayName": "fake", "role": hub.tokens[token]}}})
                 if method == "POST" and path == "/api/repos/create":
                     req = json.loads(body)
                     hub.created.append(req)
@@ -193,8 +206,10 @@ def fake_hub(monkeypatch, loopback_only):
 
 def test_upload_through_a_fake_hub_sends_exactly_the_output(dst, fake_hub, loopback_only):
     res = upload(dst, REPO, private=True, revision="int4-v1", token="hf_fake_token", endpoint=fake_hub.url)
-    assert res.method == "upload_folder" and res.readme == "written"
-    assert any("hf_xet" in n for n in res.notes)  # the LFS path is one commit: the user is told
+    assert res.method == "create_commit" and res.readme == "written"
+    assert any("hf_xet" in n for n in res.notes)  # the LFS path resumes file by file: the user is told
+    paths = [p for _, p, _ in fake_hub.requests]
+    assert paths.index("/api/whoami-v2") < paths.index("/api/repos/create")  # the token first
 
     assert fake_hub.created == [{"name": "kimi-k3-int4", "organization": "someone", "visibility": "private",
                                  "type": "model"}]
@@ -231,26 +246,17 @@ def test_upload_through_a_fake_hub_sends_exactly_the_output(dst, fake_hub, loopb
     assert loopback_only and all(a[0] in ("127.0.0.1", "::1") for a in loopback_only if isinstance(a, tuple))
 
 
-def test_upload_large_folder_is_used_when_the_library_has_it(dst, monkeypatch):
-    """huggingface_hub without the streamed upload_folder (0.x, early 1.x): create_repo(exist_ok)
-    then upload_large_folder(repo_type='model', ...)."""
-    monkeypatch.setattr(hub_module, "streams_upload_folder", lambda: False)
-    calls = []
-
-    class OldApi:
-        def create_repo(self, repo_id, **kw):
-            calls.append(("create_repo", repo_id, kw))
-            return f"https://hub.invalid/{repo_id}"
-
-        def upload_large_folder(self, **kw):
-            calls.append(("upload_large_folder", kw))
-
-    res = upload(dst, REPO, api=OldApi())
-    assert res.method == "upload_large_folder"
-    assert calls[0] == ("create_repo", REPO, {"repo_type": "model", "private": False, "exist_ok": True})
-    kw = calls[1][1]
-    assert kw["repo_id"] == REPO and kw["folder_path"] == os.path.abspath(dst) and kw["repo_type"] == "model"
-    assert ".k3convert/**" in kw["ignore_patterns"] and "*.partial" in kw["ignore_patterns"]
+def test_upload_commits_once_the_checked_bytes(dst):
+    """The operation API: whoami, create_repo, preupload (large files from their path), then one
+    create_commit; small files are committed as the bytes that were read and checked (T2)."""
+    api = RecordingApi()
+    res = upload(dst, REPO, api=api)
+    assert res.method == "create_commit"
+    assert api.names == ["whoami", "create_repo", "preupload_lfs_files", "create_commit"]
+    assert sorted(api.committed) == sorted(p for p, _ in res.files)
+    for path, data in api.committed.items():
+        with open(os.path.join(dst, path), "rb") as f:
+            assert f.read() == data, path
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -328,10 +334,9 @@ def test_existing_readme_is_kept(dst):
         assert f.read() == "# mine\n"
 
 
-def test_ignore_patterns_cover_state_and_partials(dst):
+def test_state_and_partials_are_never_sent(dst):
     paths = [p for p, _ in upload_files(dst)]
     assert not any(p.startswith(".k3convert/") or p.endswith(".partial") or ".tmp" in p for p in paths)
-    assert ".k3convert/**" in IGNORE and "*.partial" in IGNORE
 
 
 # ----------------------------------------------------------------------------- issue 24 §3, issue 25 S14/S16
@@ -346,35 +351,6 @@ def test_dry_run_shows_the_card(dst):
     assert f"    {title}" in res.output and "group size 32, symmetric" in res.output
     assert f"... ({len(card) - hub_module.CARD_LINES} more lines)" in res.output
     assert not os.path.exists(os.path.join(dst, "README.md"))
-
-
-def test_streamed_upload_folder_is_used_without_the_deprecation_banner(dst):
-    """huggingface_hub 1.33 has both methods; its upload_large_folder prints a FutureWarning banner
-    ("`upload_large_folder` is DEPRECATED ... Use `upload_folder`"). Where the installed version
-    streams upload_folder (it has ``_upload_pipeline``), that is what is called."""
-    import warnings
-
-    assert hub_module.streams_upload_folder()  # the installed huggingface_hub (2.4.0) streams it
-    calls = []
-
-    class Api133:  # the two methods as 1.33 has them
-        def create_repo(self, repo_id, **kw):
-            return f"https://hub.invalid/{repo_id}"
-
-        def upload_folder(self, **kw):
-            calls.append(("upload_folder", kw))
-
-        def upload_large_folder(self, **kw):
-            warnings.warn("\n=====\n`upload_large_folder` is DEPRECATED and will be removed in a future release.\n\n"
-                          "Use `upload_folder` instead:\n=====\n", FutureWarning, stacklevel=2)
-            calls.append(("upload_large_folder", kw))
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        res = upload(dst, REPO, api=Api133())
-    assert res.method == "upload_folder" and [c[0] for c in calls] == ["upload_folder"]
-    assert not [w for w in caught if issubclass(w.category, FutureWarning)]
-    assert calls[0][1]["folder_path"] == os.path.abspath(dst) and ".k3convert/**" in calls[0][1]["ignore_patterns"]
 
 
 def test_s16_a_fifo_readme_fails_verify_and_is_never_uploaded(dst, loopback_only):
@@ -407,21 +383,17 @@ def test_s16_a_hub_error_on_commit_is_one_line(dst, fake_hub):
     assert fake_hub.commits == []
 
 
-class _BlockingApi:
-    """A Hub that holds the upload in upload_folder until released (what a slow upload looks like)."""
+class _BlockingApi(RecordingApi):
+    """A Hub that holds the upload in preupload until released (what a slow upload looks like)."""
 
     def __init__(self):
-        import threading
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
 
-        self.entered, self.release, self.sent = threading.Event(), threading.Event(), None
-
-    def create_repo(self, repo_id, **kw):
-        return f"https://hub.invalid/{repo_id}"
-
-    def upload_folder(self, folder_path, allow_patterns, **kw):
+    def preupload_lfs_files(self, repo_id, additions, **kw):
         self.entered.set()
         assert self.release.wait(120)
-        self.sent = {p: open(os.path.join(folder_path, p), "rb").read() for p in allow_patterns}
+        super().preupload_lfs_files(repo_id, additions, **kw)
 
 
 def test_s14_overwrite_is_refused_while_an_upload_reads_dst(converted, dst):
@@ -449,8 +421,8 @@ def test_s14_overwrite_is_refused_while_an_upload_reads_dst(converted, dst):
     finally:
         api.release.set()
         t.join(120)
-    assert done["res"].method == "upload_folder"
-    assert {p: b for p, b in api.sent.items() if p != "README.md"} == before  # what verify accepted, unchanged
+    assert done["res"].method == "create_commit"
+    assert {p: b for p, b in api.committed.items() if p != "README.md"} == before  # what verify accepted, unchanged
     assert verify(dst).ok
     # with the upload done, the overwrite goes ahead
     res = CliRunner().invoke(main, ["mxfp4-to-int4", src, "-o", dst, "--overwrite", "--scale-rule", "vllm-gfx942",
@@ -466,3 +438,276 @@ def test_s14_upload_is_refused_while_a_run_changes_dst(dst):
     with writing(dst):
         res = CliRunner().invoke(main, ["upload", dst, REPO])
     assert res.exit_code == 4 and "a k3convert run is changing it" in res.stderr, res.output
+
+
+# ----------------------------------------------------------------------------- issue 32 (T1, T2, T15, T17), issue 33 §3
+
+def _flip(path: str) -> None:
+    """One byte in the middle of a file inverted, size kept (bit rot, a faulty copy)."""
+    at = os.path.getsize(path) // 2
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _cli_upload(dst, hub, *args, token="hf_fake_token"):
+    return CliRunner().invoke(main, ["upload", dst, REPO, "--token", token, *args], env={"HF_ENDPOINT": hub.url})
+
+
+def _one_line(res) -> str:
+    err = res.stderr.strip()
+    assert err.startswith("k3convert: ") and "\n" not in err, res.output
+    return err
+
+
+def _committed(hub) -> dict[str, bytes]:
+    """What the fake Hub's one commit publishes, path -> bytes."""
+    assert len(hub.commits) == 1, hub.commits
+    out = {}
+    for x in hub.commits[0]["lines"]:
+        v = x["value"]
+        if x["key"] == "file":
+            out[v["path"]] = base64.b64decode(v["content"])
+        elif x["key"] == "lfsFile":
+            out[v["path"]] = hub.lfs[v["oid"]]
+    return out
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_publish_reads_the_manifests_digest_and_the_hubs_sha256_at_once(tmp_path, monkeypatch, size):
+    """publish's one read gives digest.file_digest's chunked digest (chunk boundaries, an empty
+    file) and the plain SHA-256 the Hub names the file by."""
+    from converter import digest
+
+    monkeypatch.setattr(digest, "CHUNK", 4096)  # (mmap offsets: a multiple of the page size)
+    monkeypatch.setattr(publish, "READ", 1000)  # reads that straddle chunk boundaries
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    c = publish.read_file(str(tmp_path), "f")
+    assert c.digest == digest.file_digest(str(tmp_path / "f")) == publish.of_bytes("f", data).digest
+    assert c.sha256 == hashlib.sha256(data).hexdigest() and c.size == size and c.data == data
+
+
+def test_t1_a_shard_byte_flipped_after_the_conversion_is_never_published(dst, fake_hub):
+    """T1: one byte flipped mid-shard: verify exits 5 on the digest, upload exited 0 and committed it.
+    Every file is now read once and checked against the manifest: exit 5 naming it, nothing sent."""
+    shard = "model-00002-of-00003.safetensors"
+    _flip(os.path.join(dst, shard))
+    assert CliRunner().invoke(main, ["verify", dst]).exit_code == 5
+    res = _cli_upload(dst, fake_hub)
+    assert res.exit_code == 5, res.output
+    err = _one_line(res)
+    assert f"{shard}: digest" in err and "refusing to publish" in err, err
+    assert fake_hub.created == [] and fake_hub.lfs == {} and fake_hub.commits == []
+
+
+def test_t2_a_shard_changed_while_it_is_uploaded_is_never_committed(dst, fake_hub, monkeypatch):
+    """T2: a shard byte flipped by another program while upload talks to the Hub was committed.
+    Large files go from their path (the fixture's shards made large here); the SHA-256 of what
+    huggingface_hub sent must be the one checked before the commit is made: exit 5, no commit."""
+    monkeypatch.setattr(publish, "INLINE", 100_000)  # the shards (0.4-2 MB) go from their path, as real ones do
+    shard = os.path.join(dst, "model-00001-of-00003.safetensors")
+    edited = []
+
+    def edit(method, path):
+        if path.endswith("/preupload/main") and not edited:
+            _flip(shard)
+            edited.append(path)
+
+    fake_hub.on_request = edit
+    res = _cli_upload(dst, fake_hub)
+    assert edited and res.exit_code == 5, res.output
+    err = _one_line(res)
+    assert "model-00001-of-00003.safetensors: changed while it was uploaded" in err and "nothing was committed" in err
+    assert fake_hub.commits == []
+
+
+def test_t2_a_small_file_rewritten_during_the_upload_is_committed_as_checked(dst, fake_hub):
+    """T2: chat_template.jinja rewritten while upload waits on the Hub was committed as rewritten
+    (huggingface_hub reads an inline file at commit time). It is sent as the bytes checked."""
+    path = os.path.join(dst, "chat_template.jinja")
+    with open(path, "rb") as f:
+        checked = f.read()
+
+    def rewrite(method, p):
+        if p.endswith("/preupload/main"):
+            with open(path, "w") as f:
+                f.write("{{ something else }}")
+
+    fake_hub.on_request = rewrite
+    res = _cli_upload(dst, fake_hub)
+    assert res.exit_code == 0, res.output
+    assert _committed(fake_hub)["chat_template.jinja"] == checked
+
+
+class _Interrupting(RecordingApi):
+    """An HfApi (as the CLI makes it) whose create_repo is where Ctrl-C lands."""
+
+    def __init__(self, *a, **kw):
+        super().__init__()
+
+    def create_repo(self, repo_id, **kw):
+        raise KeyboardInterrupt
+
+
+def test_t15_ctrl_c_during_upload_exits_130(dst, monkeypatch):
+    """T15: Ctrl-C during `upload` exited 1 "Aborted!"; README promises 130 and how to resume.
+    The read lock goes with it."""
+    import huggingface_hub
+
+    from converter.manifest import writing
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", _Interrupting)
+    res = CliRunner().invoke(main, ["upload", dst, REPO])
+    assert res.exit_code == 130, res.output
+    assert _one_line(res) == "k3convert: interrupted; run the same command again to resume"
+    assert "Aborted" not in res.output
+    with writing(dst):  # nobody holds DST
+        pass
+
+
+def test_t15_sigint_to_the_upload_process_exits_130(dst, fake_hub):
+    """T15 as a user meets it: SIGINT to `python -m converter upload` while it waits on the Hub."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    waiting, release = threading.Event(), threading.Event()
+
+    def hold(method, path):
+        if path.endswith("/preupload/main"):
+            waiting.set()
+            release.wait(60)
+
+    fake_hub.on_request = hold
+    env = {**os.environ, "HF_ENDPOINT": fake_hub.url, "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "converter", "upload", dst, REPO, "--token", "hf_fake_token"],
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert waiting.wait(120), proc.communicate(timeout=5)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        release.set()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert err.strip().splitlines()[-1] == "k3convert: interrupted; run the same command again to resume", err
+    assert fake_hub.commits == []
+
+
+@pytest.fixture
+def read_only_view(tmp_path):
+    """``view(path)``: a read-only bind mount of a folder (root only), as published storage is."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a read-only bind mount")
+    mounts: list[str] = []
+
+    def view(path: str) -> str:
+        mnt = str(tmp_path / f"ro{len(mounts)}")
+        os.makedirs(mnt)
+        try:
+            subprocess.run(["mount", "--bind", path, mnt], check=True, capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            pytest.skip(f"cannot bind-mount: {getattr(e, 'stderr', e)}")
+        mounts.append(mnt)
+        subprocess.run(["mount", "-o", "remount,ro,bind", mnt], check=True, capture_output=True)
+        return mnt
+
+    yield view
+    for m in reversed(mounts):
+        subprocess.run(["umount", m], capture_output=True)
+
+
+@pytest.mark.parametrize("state", ["with its state folder", "a snapshot without it"])
+def test_t17_a_read_only_dst_is_published(dst, fake_hub, read_only_view, state):
+    """T17: upload from a read-only DST failed on the lock file. Where DST cannot be written no
+    lock file is made (an existing one is taken read-only) and the card is sent, not written."""
+    from converter.manifest import writing
+
+    if state == "a snapshot without it":
+        shutil.rmtree(os.path.join(dst, ".k3convert"))
+    ro = read_only_view(dst)
+    with pytest.raises(OSError):
+        open(os.path.join(ro, "x"), "w")
+    if state == "with its state folder":  # the lock still works: a run changing DST keeps the upload out
+        with writing(dst):
+            res = _cli_upload(ro, fake_hub)
+        assert res.exit_code == 4 and "a k3convert run is changing it" in _one_line(res), res.output
+    res = _cli_upload(ro, fake_hub)
+    assert res.exit_code == 0, res.output
+    assert f"README.md: {hub_module.NOT_WRITTEN}" in res.stdout
+    sent = _committed(fake_hub)
+    assert "group size 32, symmetric" in sent["README.md"].decode()
+    assert not os.path.exists(os.path.join(dst, "README.md"))
+    for name, rec in _manifest(dst)["shards"].items():
+        assert len(sent[name]) == rec["bytes"]
+
+
+def test_auth_a_refused_token_exits_2_before_anything_is_written_or_hashed(dst, fake_hub, monkeypatch):
+    """Issue 33 §3: the token was first used after verify and hashing. Checked once DST verifies:
+    a refused token is exit 2, one line, no card written, nothing hashed or sent."""
+    def hashed(*a):
+        raise AssertionError("hashed before the token was checked")
+
+    monkeypatch.setattr(publish, "read_file", hashed)
+    res = _cli_upload(dst, fake_hub, token="hf_wrong")
+    assert res.exit_code == 2, res.output
+    err = _one_line(res)
+    assert "the Hub refused the token (HTTP 401" in err and "hf auth login" in err, err
+    assert not os.path.exists(os.path.join(dst, "README.md")) and fake_hub.created == []
+
+
+def test_auth_no_token_or_a_read_only_one_exits_2(dst, fake_hub, monkeypatch, tmp_path):
+    import huggingface_hub.constants as constants
+
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "nowhere" / "token"))
+    res = CliRunner().invoke(main, ["upload", dst, REPO], env={"HF_ENDPOINT": fake_hub.url})
+    assert res.exit_code == 2 and "no Hugging Face token" in _one_line(res), res.output
+    fake_hub.tokens["hf_reader"] = "read"
+    res = _cli_upload(dst, fake_hub, token="hf_reader")
+    assert res.exit_code == 2 and "is read-only: upload needs a write token" in _one_line(res), res.output
+    assert fake_hub.created == []
+
+
+def test_network_a_refused_connection_is_exit_4_with_the_cause(dst, monkeypatch, loopback_only):
+    """Issue 33 §3: a refused connection exited 1 "run the same command again to resume". It is
+    the I/O exit code, 4, with the cause; nothing was started, so nothing to resume."""
+    import huggingface_hub.constants as constants
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()  # nobody listens there
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    res = CliRunner().invoke(main, ["upload", dst, REPO, "--token", "hf_fake_token"], env={"HF_ENDPOINT": url})
+    assert res.exit_code == 4, res.output
+    err = _one_line(res)
+    assert f"cannot reach {url}" in err and "Connection refused" in err and "resume" not in err, err
+
+
+class _ConnectionLost(RecordingApi):
+    def __init__(self, *a, **kw):
+        super().__init__()
+
+    def preupload_lfs_files(self, repo_id, additions, **kw):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_network_lost_during_the_upload_is_exit_4_and_resumable(dst, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", _ConnectionLost)
+    res = CliRunner().invoke(main, ["upload", dst, REPO])
+    assert res.exit_code == 4, res.output
+    err = _one_line(res)
+    assert "Connection reset by peer" in err and err.endswith("Run the same command again to resume"), err

@@ -80,22 +80,23 @@ def assert_fp8_refusals_are_vllms(family: str, dst: str, tps: tuple[int, ...], t
     """vLLM's own model class of ``family``, built from DST at each faked TP size
     (tests/vllm_scripts/fp8_block_tp.py, validate_fp8_block_shape run as released), refuses exactly
     the FP8 block linears converter/fp8_tp.py names; returns vLLM's refusals per TP."""
-    from converter import fp8_tp, serving
-    from converter.topology import Topology
+    import serving_rules as serving
+    from converter.servers import fp8_tp
+    from converter.servers.topology import Topology
     out = str(tmp_path / f"{family}-tp.json")
     run = subprocess.run([vllm_python(), FP8_TP_SCRIPT, family, out, dst, *map(str, tps)], capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     got = read_json(out)["results"]
     config, tensors = serving.load(dst)
-    ctx = serving._context(config, tensors, "vllm-rocm")
+    ctx = serving.ctx_of(config, tensors, "vllm-rocm")
     assert ctx.block == (128, 128) and ctx.fp8
     for tp in tps:
         case = got[str(tp)]
         assert "error" not in case, (tp, case)
         ours = {vllm_names(layer) for layer, _, _ in fp8_tp.refusals(config, ctx.fp8, ctx.block, Topology(tp))}
         assert ours == set(case["refused"]), (tp, sorted(ours), case["refused"])
-        loader = {r.rule: r for r in serving.check_serving(dst, "vllm-rocm", tp)}["loader"]
+        loader = {r.rule: r for r in serving.rules(dst, "vllm-rocm", tp)}["loader"]
         assert loader.ok == (not case["refused"]), (tp, loader.message)
     return {tp: got[str(tp)]["refused"] for tp in tps}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 import mimo_v2_fixture as mimo
-from converter import serving
+import serving_rules as serving
 from converter.pipeline import Options, convert
 from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods
 
@@ -43,8 +43,8 @@ def test_experts_int4_asking_for_silu(built):
 
 def _kernel_inputs(dst: str):
     config, tensors = serving.load(dst)
-    mats = serving._matrices(tensors)
-    return config, mats, serving._layer_sizes(mats)[0], 1
+    mats = serving.matrices(tensors)
+    return config, mats, serving.layer_sizes(mats)[0], 1
 
 
 def test_fp8_linears_keep_block_fp8_and_load_weight_scale(built):

@@ -10,6 +10,8 @@ Absent, a test skips saying which; with K3CONVERT_REQUIRE_VLLM=1 it fails instea
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import subprocess
@@ -49,9 +51,12 @@ def aiter_shuffle() -> types.ModuleType:
     return server_sources.aiter_shuffle(source("K3CONVERT_AITER_SRC", "ops/shuffle.py"))
 
 
-def vllm_flydsl() -> dict:
-    """vLLM 0.33's CT int4 -> FlyDSL helpers, with aiter's real shuffle_weight."""
-    return server_sources.vllm_flydsl(source("K3CONVERT_VLLM033_SRC", FLYDSL), aiter_shuffle().shuffle_weight)
+RELEASES = ("K3CONVERT_VLLM033_SRC", "K3CONVERT_VLLM034_SRC")   # every proven vLLM's released files
+
+
+def vllm_flydsl(release: str = RELEASES[0]) -> dict:
+    """A vLLM release's CT int4 -> FlyDSL helpers, with aiter's real shuffle_weight."""
+    return server_sources.vllm_flydsl(source(release, FLYDSL), aiter_shuffle().shuffle_weight)
 
 
 def random_codes(e: int, n: int, k: int, seed: int) -> torch.Tensor:
@@ -80,11 +85,12 @@ def ours(codes: torch.Tensor, scales: torch.Tensor, chunk: int = layout.CHUNK_EX
 
 # ------------------------------------------------------------------ the layout, bit for bit
 
+@pytest.mark.parametrize("release", RELEASES)
 @pytest.mark.parametrize("e,n,k", [(3, 32, 128), (2, 48, 64), (5, 16, 256)])
-def test_layout_matches_vllm_ct_to_flydsl(e, n, k):
-    """Against CompressedTensorsW4A16FlydslMoEMethod.process_weights_after_loading (vLLM 0.33),
-    which takes the same CT int32 words (transposed, as that method loads them) and bf16 scales."""
-    ns = vllm_flydsl()
+def test_layout_matches_vllm_ct_to_flydsl(e, n, k, release):
+    """Against CompressedTensorsW4A16FlydslMoEMethod.process_weights_after_loading (vLLM 0.33.0 and
+    0.34.0), which takes the same CT int32 words (transposed, as that method loads them) and bf16 scales."""
+    ns = vllm_flydsl(release)
     codes, scales = random_codes(e, n, k, seed=e * n), random_scales(e, n, k // 32, seed=k)
     words = pack_to_int32(codes, 4)
     layer = types.SimpleNamespace(
@@ -186,7 +192,7 @@ def test_layout_matches_vllm_load_time_path(helpers, monkeypatch):
 
 
 def test_minus_eight_is_the_twos_complement_nibble():
-    """k3convert's codes reach -8 (SPEC §5: clamp to [-8, 7]); aiter's load-time requant stops at -7.
+    """k3convert's codes reach -8 (docs/spec.md §5: clamp to [-8, 7]); aiter's load-time requant stops at -7.
     The packed format is two's-complement nibbles, so -8 is 0x8 and sign-extends back to -8."""
     codes = torch.full((1, 16, 64), -8, dtype=torch.int8)
     codes[0, :, 1::2] = 7
@@ -263,6 +269,20 @@ def k3(weights_overrides=None, group_overrides=None, text_overrides=None, model_
     return quant, cfg
 
 
+@pytest.mark.parametrize("model_type", ["kimi_k3", "kimi_k31", "kimi_k3_mtp"])
+@pytest.mark.parametrize("version", ["0.34.0", "0.34.2+rocm7.1", "0.33.1"])
+def test_route_claims_k3_and_k31_on_every_proven_release(model_type, version):
+    """Kimi K3.1 (kimi_k31) is built on K3's classes from vLLM 0.34 on; every 0.33.x and 0.34.x build
+    is a proven release (converter/servers/releases)."""
+    quant, cfg = k3(model_type=model_type)
+    machine = dataclasses.replace(GOOD, vllm_version=version)
+    if model_type == "kimi_k31" and version.startswith("0.33"):
+        with pytest.raises(route.Refused, match="first in vLLM 0.34.0"):
+            route.decide(quant, None, cfg, machine)
+    else:
+        assert route.decide(quant, None, cfg, machine) == route.NAME
+
+
 def test_route_claims_k3_int4_on_gfx942_with_aiter():
     quant, cfg = k3()
     assert route.decide(quant, None, cfg, GOOD) == route.NAME
@@ -313,8 +333,11 @@ def test_the_machine_is_not_asked_for_other_checkpoints(change):
      "this GPU (AMD Instinct MI355X) is not gfx942"),
     ("AITER MoE off", route.Machine(True, True, False, "0.33.0", _gemm1_ok), {},
      "AITER MoE is off: set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1"),
-    ("vLLM 0.32", route.Machine(True, True, True, "0.32.0", _gemm1_ok), {}, "written for vLLM 0.33.x, found vLLM 0.32.0"),
-    ("vLLM 0.34", route.Machine(True, True, True, "0.34.1", _gemm1_ok), {}, "found vLLM 0.34.1"),
+    ("vLLM 0.32", route.Machine(True, True, True, "0.32.0", _gemm1_ok), {},
+     "proven on vLLM 0.33.x, 0.34.x, found vLLM 0.32.0"),
+    ("vLLM 0.35", route.Machine(True, True, True, "0.35.0", _gemm1_ok), {}, "proven on vLLM 0.33.x, 0.34.x, found vLLM 0.35.0"),
+    ("K3.1 on vLLM 0.33", GOOD, {"model_type": "kimi_k31"},
+     "vLLM 0.33.0 builds no model of model_type 'kimi_k31' (first in vLLM 0.34.0)"),
     ("aiter without the int4 entry point", route.Machine(True, True, True, "0.33.0", None), {}, "no packed-int4 a16w4"),
     ("aiter import error kept", route.Machine(True, True, True, "0.33.0", None, "ImportError: libflydsl.so: cannot open"),
      {}, "ImportError: libflydsl.so: cannot open"),
@@ -331,7 +354,7 @@ def test_the_machine_is_not_asked_for_other_checkpoints(change):
     ("no linear_beta", GOOD, {"text": {"activation_situ_linear_beta": None}}, "activation_situ_linear_beta"),
 ])
 def test_route_refuses_with_one_clear_line(case, machine, change, message):
-    quant, cfg = k3(change.get("weights"), change.get("group"), change.get("text"))
+    quant, cfg = k3(change.get("weights"), change.get("group"), change.get("text"), change.get("model_type", "kimi_k3"))
     with pytest.raises(route.Refused) as err:
         route.decide(quant, None, cfg, machine)
     text = str(err.value)
@@ -376,7 +399,7 @@ def run_probe(py: str, mode: str, model_dir: Path, **env) -> dict:
 @pytest.fixture(scope="module")
 def real_vllm(tmp_path_factory) -> dict:
     """Two runs of the real vLLM: with the plugin (then ROCm simulated), and with VLLM_PLUGINS excluding it.
-    The checkpoint is the config.json of a tiny Mixtral as k3convert writes its int4 output (SPEC §3)."""
+    The checkpoint is the config.json of a tiny Mixtral as k3convert writes its int4 output (docs/spec.md §3)."""
     py = vllm_python()
     source("K3CONVERT_VLLM033_SRC", FLYDSL)          # the probe's expected bytes come from these
     source("K3CONVERT_AITER_SRC", "ops/shuffle.py")
@@ -402,7 +425,7 @@ def test_real_vllm_with_rocm_simulated_refuses_its_version(real_vllm):
     """The glue on a real vLLM (0.32 CPU) with ROCm, gfx942, AITER MoE and aiter faked: a K3 int4
     config is refused (this vLLM is not 0.33); the Mixtral int4 config is left alone."""
     out = real_vllm["with"]["rocm"]
-    assert out["refused"].startswith("k3convert vLLM plugin: written for vLLM 0.33.x, found vLLM 0.32")
+    assert out["refused"].startswith("k3convert vLLM plugin: proven on vLLM 0.33.x, 0.34.x, found vLLM 0.32")
     assert out["not_k3"] is None
 
 

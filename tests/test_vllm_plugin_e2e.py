@@ -106,7 +106,7 @@ def test_dp_ep_is_self_tested_through_the_local_experts_kernel(e2e):
 @pytest.mark.parametrize("case", ["tp1-minus8", "tp1-minus8-two-layers", "tp1-minus8-prefill-only-two-layers",
                                   "dp2-ep-minus8"])
 def test_a_minus8_misread_is_repaired_retested_and_served(e2e, case):
-    """A kernel that reads -8 as +8 (everywhere, or only in the 2048-token tile): the first layer is
+    """A kernel that reads -8 as +8 (everywhere, or only in tile 32: 1025-8192 tokens): the first layer is
     repaired, re-tested and served with ONE warning that states the layer's relative weight RMSE; a
     later layer (no test of its own) is repaired at layout: vLLM's KimiMoE then computes the MoE of
     the repaired weights, close to compressed-tensors' decoding of the stored ones, where the unrepaired
@@ -136,6 +136,6 @@ def test_the_pass_line_names_every_variant_in_vllms_log(e2e):
     for case in ("tp1", "dp2-ep"):
         lines = [m for level, m in e2e[case]["log"] if "kernel self-test passed" in m]
         assert len(lines) == 1 and e2e[case]["log"][0][0] == "INFO", e2e[case]["log"]
-        for part in ("tile 16 (8 tokens): passed", "tile 32 (2048 tokens): passed",
-                     "tile 64 (16384 tokens): passed"):
+        for part in ("tile 16 (8 tokens): passed", "tile 32 (1025 tokens): passed",
+                     "tile 64 (8193 tokens): passed"):
             assert part in lines[0]

@@ -7,7 +7,9 @@ leaves it, is refused, and the refusal names the fault where one alternative exp
 """
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -106,6 +108,31 @@ def test_a_faulty_kernel_is_refused_and_named(helpers, fault, named):
     assert out.problem is not None and named in out.problem, (out.line(), out.problem)
 
 
+@pytest.mark.parametrize("n_local,global_num,top_k", [(112, 896, 8), (112, 896, 16), (896, 896, 16),
+                                                     (7, 56, 8), (3, 8, 4), (5, 8, 2)])
+def test_the_sampled_experts_span_the_rank_first_to_last(n_local, global_num, top_k):
+    """The spread starts at the rank's first local expert and ends at its last (its last weight bytes),
+    evenly: e.g. 0, 37, 74, 111 of 112 at EP 8 with top-k 8 (one sample: the first)."""
+    ids = list(range(global_num - n_local, global_num))        # the last EP rank
+    spread, remote = selftest.choose_experts(ids, global_num, top_k)
+    assert spread[0] == ids[0] and (len(spread) == 1 or spread[-1] == ids[-1]), spread
+    assert spread == sorted(set(spread)) and len(spread) + len(remote) <= top_k
+    gaps = {b - a for a, b in zip(spread, spread[1:])}
+    assert not gaps or max(gaps) - min(gaps) <= 1, spread
+
+
+def test_a_fault_in_the_ranks_last_expert_is_caught(helpers):
+    """Under EP (8 of 16 experts local, top-k 4: two local experts sampled), a corrupted last local
+    expert fails the self-test: the spread reaches it."""
+    emap = ep_map(16, list(range(8, 16)))
+    tensors, experts, remote, apply = laid_out_layer(helpers, e=8, expert_map=emap, global_num=16)
+    assert 15 in experts
+    assert selftest.run(apply, experts, remote, selftest.Activation(BETA, LINEAR_BETA)).problem is None
+    tensors[0][7].bitwise_xor_(0x11)                # every nibble of local expert 7 (global 15)
+    out = selftest.run(apply, experts, remote, selftest.Activation(BETA, LINEAR_BETA))
+    assert out.problem is not None, out.line()
+
+
 def test_a_kernel_computing_remote_experts_is_refused(helpers):
     out = run_selftest(helpers, fault="remote", expert_map=ep_map(8, [0, 1, 2, 3]), global_num=8)
     assert out.problem is not None, out.line()
@@ -126,14 +153,38 @@ def test_minus_eight_misread_is_told_apart(helpers):
 
 
 def test_every_tile_variant_is_probed_and_logged(helpers):
-    """aiter's untuned int4 MoE: tile 16 below 2048 tokens, 32 below 16384, 64 above; each is driven
-    with the smallest token count of its band, and the line says which passed."""
+    """aiter's untuned int4 MoE on get_padded_M's count: tile 16 up to 1024 tokens, 32 up to 8192, 64
+    above; each is driven with the smallest token count of its band, and the line says which passed."""
     out = run_selftest(helpers)
     assert out.problem is None, out.line()
-    assert [(v.tile, v.tokens) for v in out.variants] == [(16, 8), (32, 2048), (64, 16384)]
+    assert [(v.tile, v.tokens) for v in out.variants] == [(16, 8), (32, 1025), (64, 8193)]
     assert [aiter_sim.tile(v.tokens) for v in out.variants] == [16, 32, 64]
-    for part in ("tile 16 (8 tokens): passed", "tile 32 (2048 tokens): passed", "tile 64 (16384 tokens): passed"):
+    for part in ("tile 16 (8 tokens): passed", "tile 32 (1025 tokens): passed", "tile 64 (8193 tokens): passed"):
         assert part in out.line()
+
+
+def test_tile_bands_start_where_aiters_padded_count_changes_tile():
+    """Each band's first token count reaches its tile and the count before it does not: aiter pads the
+    count to a power of two before its `token < 2048` / `token < 16384` tests (tests/aiter_sim.py)."""
+    for tile, first in selftest.TILE_BANDS:
+        assert aiter_sim.tile(first) == tile
+        assert first == 1 or aiter_sim.tile(first - 1) != tile, (tile, first)
+    assert [t for t, _ in selftest.TILE_BANDS] == sorted({aiter_sim.tile(m) for m in range(1, 140_000, 7)})
+
+
+def test_the_simulated_tile_choice_is_aiters():
+    """tests/aiter_sim.tile against aiter's own get_padded_M and tile literal (aiter/fused_moe.py of a
+    release, under K3CONVERT_AITER_SRC), for every count up to past its last padding tier."""
+    import ast
+    path = server_sources.released_file("K3CONVERT_AITER_SRC", "fused_moe.py")
+    text = path.read_text()
+    assert "16 if token < 2048 else 32 if token < 16384 else 64" in text, f"{path}: the tile literal moved"
+    tiers = next(n.value for n in ast.parse(text).body if isinstance(n, ast.Assign)
+                 and any(getattr(t, "id", "") == "_PADDED_M_TIERS" for t in n.targets))
+    ns = server_sources.functions(path, {"nextPow2", "get_padded_M"}, {"_PADDED_M_TIERS": ast.literal_eval(tiers)})
+    for m in range(1, 140_000):
+        token = ns["get_padded_M"](m)
+        assert aiter_sim.tile(m) == (16 if token < 2048 else 32 if token < 16384 else 64), m
 
 
 @pytest.mark.parametrize("fault,tile,named", [("minus8@32", 32, "decodes int4 code -8 as 8"),
@@ -210,6 +261,44 @@ def test_unlayout_inverts_the_layout():
     p, f = layout.convert_experts_(w13, s13)
     w, s = repair.unlayout_(p, f, 128, 128)
     assert torch.equal(w, w0) and torch.equal(s, s0)
+
+
+def test_the_inverse_layout_index_is_not_kept_after_the_call(monkeypatch):
+    """unlayout_'s index (int64 per nibble of an expert: 0.26 GiB per rank at EP 8) lives only for the
+    call, not in a cache for the process's life (on a GPU it would be taken from the KV cache)."""
+    made: list[weakref.ref] = []
+    inverse = repair._inverse
+
+    def spy(*args):
+        out = inverse(*args)
+        made.extend(weakref.ref(t) for t in out)
+        return out
+    monkeypatch.setattr(repair, "_inverse", spy)
+    w13, s13, _, _ = loaded_layer(2, 128, 64, 64)
+    w0, s0 = w13.clone(), s13.clone()
+    for _ in range(2):
+        p, f = layout.convert_experts_(w13, s13)
+        w13, s13 = repair.unlayout_(p, f, 128, 128)
+    assert torch.equal(w13, w0) and torch.equal(s13, s0)
+    gc.collect()
+    assert len(made) == 4 and all(r() is None for r in made)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (CUDA or ROCm)")
+def test_repairing_a_layer_leaves_no_device_memory_behind():
+    """After repair_layer_ on a GPU, memory_allocated is what the layer itself holds: nothing cached.
+    A first layer of another shape takes what any first call keeps (cuBLAS's workspace, int4_pm7's
+    7 MiB tables), not this shape's inverse layout index."""
+    def layer(hidden: int, inter: int) -> list[torch.Tensor]:
+        w13, s13, w2, s2 = (t.cuda() for t in loaded_layer(4, hidden, inter, inter))
+        return [*layout.convert_experts_(w13, s13), *layout.convert_experts_(w2, s2)]
+    repair.repair_layer_(*layer(64, 64))
+    tensors = layer(128, 128)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    got = repair.repair_layer_(*tensors)
+    torch.cuda.synchronize()
+    assert got.repaired > 0 and torch.cuda.memory_allocated() == before
 
 
 def test_minus8_refusal_switch(monkeypatch):

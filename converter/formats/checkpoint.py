@@ -1,7 +1,7 @@
 """The Hugging Face checkpoint directory: config.json, the shard index, which MXFP4 dialect.
 
 What converts is decided from the source's own quantization config, never from hard-coded
-names (SPEC §1, §3), by the dialect's own module (compressed_tensors.py, quark.py, registered
+names (docs/spec.md §1, §3), by the dialect's own module (compressed_tensors.py, quark.py, registered
 in dialect.py); the names they export are re-exported here for the rest of the tool.
 Anything the config says that a weight-only int4 output cannot carry (activation
 quantization, transforms, sparsity, other formats) is refused, or dropped only behind an
@@ -18,7 +18,9 @@ from .. import activation_fields as activation_reader
 from ..safepath import plain_name, source_file
 from . import compressed_tensors, fp8_mxfp4, json_input, quark  # noqa: F401  (importing a dialect registers it)
 from .dialect import (DIALECTS, DROP_FLAG, EXPERT_TARGET, MXFP4_FORMAT, PACKED, SCALE, SHAPE, MXFP4Source,  # noqa: F401
-                      _matches, dotted, named, quant_blocks)
+                      dotted, named, quant_blocks)
+from .match import match_name  # noqa: F401
+
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -92,7 +94,7 @@ def activation_fields(config: dict, keys: tuple[str, ...] = (), config_path: str
 
 
 NULLABLE_ACTIVATION = ("activation_situ_linear_beta",)   # null: the up projection is not clipped (vLLM's SituAndMul)
-# one value per layer, 0 or null for none (Ling: vllm 0.33.0 models/bailing_moe_v3.py 201-207, 1180-1182)
+# one value per layer, 0 or null for none (Ling: vLLM's models/bailing_moe_v3.py; docs/serving.md)
 PER_LAYER_ACTIVATION = ("expert_swiglu_limit_list",)
 
 
@@ -118,7 +120,7 @@ def activation_type_problem(key: str, value: Any) -> str | None:
 
 def activation(config: dict, config_path: str, required: tuple[str, ...] = ("hidden_act",),
                optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The expert activation and its parameters (SPEC §4), where the model reads them
+    """The expert activation and its parameters (docs/spec.md §4), where the model reads them
     (``activation_fields``), every field stated type-checked, the optional ones included.
 
     Refuses a checkpoint whose activation cannot be stated: a kernel that assumes SiLU

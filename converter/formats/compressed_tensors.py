@@ -7,13 +7,15 @@ targets and ignore list; which E8M0 bias the bytes carry follows its ``version``
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import dataclass
 
 from ..errors import BadInput
 from .json_input import ListOf, MapOf, Nullable, type_problems
-from .dialect import (DEFAULT_RULE, MXFP4_FORMAT, PACKED, Dialect, MXFP4Source, _matches, dotted, drop_or_refuse,
+from .dialect import (DEFAULT_RULE, MXFP4_FORMAT, PACKED, Dialect, MXFP4Source, dotted, drop_or_refuse,
                       int4_block, int4_targets, quant_blocks, register)
+from .match import LINEAR, CtRule
 
 
 @dataclass(frozen=True)
@@ -24,11 +26,13 @@ class CompressedTensorsSource(MXFP4Source):
     ignore: tuple[str, ...] = ()
 
     def selects(self, module: str) -> bool:
-        """Targets are ``re:`` patterns, exact names, or layer class names (which any packed
-        module satisfies); the ignore list wins."""
-        if any(_matches(module, p) for p in self.ignore):
-            return False
-        return any(not p.startswith("re:") and p[:1].isupper() or _matches(module, p) for p in self.targets)
+        """compressed-tensors' own rule (``match.CtRule``) on a packed module, which its loader made
+        from a torch Linear: a class target selects it if it names Linear or Module."""
+        return self._rule(module, LINEAR)
+
+    @functools.cached_property
+    def _rule(self) -> CtRule:
+        return CtRule.of(self.targets, self.ignore)
 
     def int4_config(self, config: dict, converted: list[str], unconverted: list[str],
                     rule: str = DEFAULT_RULE) -> dict:

@@ -7,12 +7,12 @@ formats apart.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import BadInput
 from ..quant.rules import DEFAULT as DEFAULT_RULE, RULE_KEY
+from .match import match_name
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 PACKED, SCALE, SHAPE = "weight_packed", "weight_scale", "weight_shape"
@@ -34,13 +34,6 @@ def quant_blocks(config: dict, path: tuple[str, ...] = ()) -> list[tuple[tuple[s
 
 def dotted(path: tuple[str, ...]) -> str:
     return ".".join(path)
-
-
-def _matches(name: str, pattern: str) -> bool:
-    """compressed-tensors semantics: ``re:`` patterns match from the start, others exactly."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    return name == pattern
 
 
 # ---------------------------------------------------------------------------- the source
@@ -134,11 +127,11 @@ def int4_targets(converted: list[str], kept: list[str], inherited_ignore: list[s
     routed experts by one pattern, any other converted module by exact name, never a class name.
     The source's ignore entries are kept unless one would catch a converted layer's experts under
     vLLM's name; kept experts the pattern catches are ignored under both names."""
-    experts = [m for m in converted if _matches(m, EXPERT_TARGET)]
+    experts = [m for m in converted if match_name(m, EXPERT_TARGET)]
     others = sorted(set(converted) - set(experts))
     lookups = {vllm_lookup_name(m) for m in experts}
-    ignore = [p for p in inherited_ignore if not any(_matches(n, p) for n in lookups)]
-    kept_experts = [m for m in kept if _matches(m, EXPERT_TARGET)]
+    ignore = [p for p in inherited_ignore if not any(match_name(n, p) for n in lookups)]
+    kept_experts = [m for m in kept if match_name(m, EXPERT_TARGET)]
     ignore += sorted({*kept_experts, *(vllm_lookup_name(m) for m in kept_experts)} - set(ignore))
     return ([EXPERT_TARGET] if experts else []) + others, ignore
 

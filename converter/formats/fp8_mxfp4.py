@@ -2,12 +2,12 @@
 ``store_dtype: mxfp4``, ``mxfp4_block_size: 32``; Ling-3.0-flash-fp4: ``quant_method: fp8``,
 ``scale_fmt: ue8m0``, ``routed_experts_quant_method: mxfp4``), registered as the dialect "fp8-mxfp4".
 
-Ling (vLLM 0.33.0 ``models/bailing_moe_v3.py``): ``_configure_ling_fp8_quant_config`` (222-260) sets
+Ling (vLLM's ``models/bailing_moe_v3.py``; lines in docs/serving.md): ``_configure_ling_fp8_quant_config`` (222-260) sets
 ``store_dtype = "mxfp4"`` when ``routed_experts_quant_method == "mxfp4"`` and ``is_scale_e8m0`` when
 ``scale_fmt == "ue8m0"`` (the FP8 linears' ``weight_scale_inv`` are then F8_E8M0, ``fp8.py`` 330-339);
 its experts' E8M0 scales are ``X.weight_scale_inv``, renamed to ``weight_scale`` at load (263-281).
 
-What vLLM 0.33.0 does with such a checkpoint (``model_executor/layers/quantization/fp8.py``):
+What vLLM does with such a checkpoint (``model_executor/layers/quantization/fp8.py``):
 ``Fp8Config.get_quant_method`` gives every routed-experts layer ``Mxfp4MoEMethod`` when
 ``store_dtype == "mxfp4"`` (199-204; on gfx942 EMULATION, ``fused_moe/oracle/mxfp4.py`` 443-447)
 and every other linear ``Fp8LinearMethod``, block-quantized by ``weight_block_size`` with
@@ -29,10 +29,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import BadInput
-from .dialect import (DEFAULT_RULE, EXPERT_TARGET, SCALE, Dialect, MXFP4Source, _matches, dotted, fp8_block_group,
+from .dialect import (DEFAULT_RULE, EXPERT_TARGET, SCALE, Dialect, MXFP4Source, dotted, fp8_block_group,
                       int4_block, int4_targets, quant_blocks, register)
+from .match import match_name
 
 FP8_SCALE, CT_SCALE = ".weight_scale_inv", "." + SCALE
+BF16_VALUES = ("each e4m3 value times its block's fp32 scale in fp32, rounded to bf16 (round to nearest even): exact "
+               "when the block scales are powers of two (scale_fmt ue8m0), else within 2^-8 of the value, relative (bf16's "
+               "unit roundoff), against e4m3's own 2^-4")
 
 
 def _is_fp8(block: dict) -> bool:
@@ -57,20 +61,53 @@ class Fp8Mxfp4Source(MXFP4Source):
     ignore_suffix: bool = False     # Ling: ignored_layers match as suffixes (bailing_moe_v3.py 236)
     weight_block: tuple[int, int] = (128, 128)
     fp8_modules: tuple[str, ...] = ()
+    bf16_modules: tuple[str, ...] = ()   # FP8 linears written as bf16 (plan.Fp8Dequant), not in fp8_modules
+    bf16_why: tuple[str, ...] = ()       # why, one line per reason (the manifest's fp8_to_bf16)
 
     def selects(self, module: str) -> bool:
         """Routed experts only (Fp8Config gives Mxfp4MoEMethod to the experts layer alone), unless
         the experts layer (``<layer>.experts``) or the module is ignored."""
         layer = module.rsplit(".", 2)[0]
         if self.ignore_suffix:
-            return _matches(module, EXPERT_TARGET) and not any(n.endswith(i) for n in (layer, module) for i in self.ignored)
-        return _matches(module, EXPERT_TARGET) and layer not in self.ignored and module not in self.ignored
+            return match_name(module, EXPERT_TARGET) and not any(n.endswith(i) for n in (layer, module) for i in self.ignored)
+        return match_name(module, EXPERT_TARGET) and layer not in self.ignored and module not in self.ignored
 
     def seen(self, tensors: Any) -> "Fp8Mxfp4Source":
         """Every FP8 linear (a ``weight_scale_inv`` beside it), less the experts where Ling stores their
         MXFP4 scales under that name too."""
         fp8 = (n[: -len(FP8_SCALE)] for n in tensors if n.endswith(FP8_SCALE))
         return replace(self, fp8_modules=tuple(sorted(m for m in fp8 if not self._expert_scale(m))))
+
+    def with_bf16(self, config: dict, tensors: Any, tp: int | None = None) -> "Fp8Mxfp4Source":
+        """This source with the FP8 linears written as bf16 moved out of ``fp8_modules``: always the
+        FP8 shards of a layer vLLM fuses with a linear that is not FP8 (``fp8_tp.bf16_modules``: under
+        compressed-tensors vLLM builds it unquantized and would load their e4m3 values unscaled, e.g.
+        Ling's KDA qkvb_proj when the source keeps b_proj out of FP8); with ``tp`` also every FP8
+        linear vLLM's compressed-tensors FP8 scheme refuses at TP ``tp`` (``--fp8-bf16-at-tp``)."""
+        from ..servers import fp8_tp
+        from ..servers.releases import NEWEST_VLLM
+        from ..servers.topology import Topology
+        linears = [n[: -len(".weight")] for n, t in tensors.items() if n.endswith(".weight") and len(t.shape) == 2]
+        mixed = fp8_tp.bf16_modules(config, self.fp8_modules, linears)
+        why = [f"{len(mixed)} FP8 linear(s) that vLLM fuses with a linear that is not FP8 (it would build the fused "
+               "layer unquantized and load their e4m3 values unscaled)"] if mixed else []
+        refused: set[str] = set()
+        if tp is not None:
+            shapes = {m: tuple(tensors[f"{m}.weight"].shape) for m in self.fp8_modules}
+            refused = fp8_tp.refused_modules(config, shapes, self.weight_block, Topology(tp), NEWEST_VLLM) - mixed
+            why.append(f"--fp8-bf16-at-tp {tp}: {len(refused)} FP8 linear(s) vLLM's compressed-tensors FP8 scheme "
+                       f"refuses at TP {tp}")
+        bf16 = mixed | refused
+        return replace(self, fp8_modules=tuple(m for m in self.fp8_modules if m not in bf16),
+                       bf16_modules=tuple(sorted(bf16)), bf16_why=tuple(why))
+
+    def record(self) -> dict[str, Any]:
+        """The dialect's record, and the FP8 linears written as bf16 with why and how exactly."""
+        out = super().record()
+        if self.bf16_modules:
+            out["fp8_to_bf16"] = {"modules": list(self.bf16_modules), "why": list(self.bf16_why),
+                                  "values": BF16_VALUES}
+        return out
 
     def _expert_scale(self, module: str) -> bool:
         """Whether ``module.weight_scale_inv`` is a routed expert's MXFP4 scale (Ling), not an FP8 linear's."""

@@ -9,7 +9,7 @@ the same kernel on the [-7, 7] range's tables, whose sizes and bounds ``_build_t
 alike (149 level-6/7 candidates, 13 low ones). Plain Triton only: no inline asm, no
 libdevice, so the same source builds for NVIDIA and for AMD gfx942 (compiled, not run).
 
-How a group is searched (SPEC §5; the bounds used are asserted in ``_build_tables``)
+How a group is searched (docs/spec.md §5; the bounds used are asserted in ``_build_tables``)
 -----------------------------------------------------------------------------------
 * Histogram: a group's 4 words become 4 bit-planes (one uint32 each); code c's count is
   popcount(AND of the planes or their complements): ~60 integer ops, not 512 compares.

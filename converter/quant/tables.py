@@ -1,4 +1,4 @@
-"""Exact lookup tables for MXFP4 -> int4 group-32 requantization (SPEC §5).
+"""Exact lookup tables for MXFP4 -> int4 group-32 requantization (docs/spec.md §5).
 
 A block's values are ``LUT[c] * 2**(s-127)`` and its int4 scale is ``m * 2**(s-127)`` for
 a bf16 multiplier ``m``; the block's error then depends only on the histogram of its codes

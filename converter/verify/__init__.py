@@ -16,35 +16,48 @@ of a plain ``verify`` load none of them.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..checks import Check, VerifyResult
 from . import (checksums, config, figures, index, listing, manifest, passthrough, redecode, serving, situ,
                source_files, source_identity, tensors)
 from .context import open_context
 
+if TYPE_CHECKING:
+    from ..servers.rules import ServingRequest
+
 # The report's order: bytes, structure, then (with --source) SRC, then (with --serving) the server.
 CHECKS = (manifest, checksums, listing, index, config, tensors, situ, figures,
           source_files, source_identity, redecode, passthrough, serving)
+# What each check does, said while it runs (``on_start``): the slow ones take seconds to minutes.
+DOING = {manifest: "manifest", checksums: "checksums: hashing every shard", listing: "files under DST",
+         index: "index", config: "config: the quantization blocks and what they select", tensors: "tensors",
+         situ: "situ", figures: "figures", source_files: "from source: recomputing every file from SRC",
+         source_identity: "source: SRC's shards", redecode: "re-decode: sampled experts from SRC's and DST's bytes",
+         passthrough: "passthrough: sampled tensors against SRC", serving: "serving: the server's int4 MoE path"}
 
 
 def verify(dst: str, source: str | None = None, sample: int | None = 8, *, checksums: bool = True,
-           workers: int = 4, serving: tuple | None = None,
+           workers: int = 4, serving: ServingRequest | None = None,
            loader_matcher: bool | None = None,
-           on_check: Callable[[Check], None] | None = None) -> VerifyResult:
+           on_check: Callable[[Check], None] | None = None,
+           on_start: Callable[[str], None] | None = None) -> VerifyResult:
     """Verify DST; problems are listed in the result (BadInput only when DST or SRC is unreadable).
 
     ``sample``: converted tensors re-decoded when ``source`` is given (None: every one).
     ``checksums=False`` skips hashing the shards (the structural checks stay).
-    ``serving=(server, tp)`` (tp an int or a ``topology.Topology``, optionally a third item: verbose)
-    adds the "serving" check: the rules of that server's int4 MoE path.
+    ``serving`` (a ``servers.ServingRequest``) adds the "serving" check: the rules of that server's
+    int4 MoE path at its topology.
     ``loader_matcher``: compressed-tensors' ``is_match`` re-decides the config's selection
     (seconds of imports); default: with ``source``, whose re-decode loads compressed-tensors anyway.
     ``on_check``: called with each check as it ends (the CLI prints it at once).
+    ``on_start``: called with what each check does (``DOING``) as it begins (the CLI shows it while it runs).
     """
     ctx = open_context(dst, source, sample=sample, checksums=checksums, workers=workers, serving=serving,
                        loader_matcher=source is not None if loader_matcher is None else loader_matcher)
     for check in CHECKS:
+        if on_start is not None:
+            on_start(DOING[check])
         done = check.run(ctx)
         ctx.result.checks += done
         for c in done if on_check is not None else ():

@@ -1,13 +1,23 @@
 """Check "config": every quantization_config block is compressed-tensors pack-quantized int4 g32
-symmetric, and its targets/ignore lists select exactly the converted modules (``selection``)."""
+symmetric, is the block the converter writes for DST's modules, and its targets/ignore lists select
+exactly the converted modules (``selection``)."""
 from __future__ import annotations
+
+from typing import Any
 
 from ..checks import Check
 from ..formats import checkpoint as ckpt
-from ..formats.dialect import is_fp8_block_group
+from ..formats.dialect import (
+    fp8_block_group,
+    int4_block,
+    int4_targets,
+    is_fp8_block_group,
+)
+from ..quant.rules import RULE_KEY
 from .context import Context
 from .dst import Dst, converted_modules
 from .selection import selection_problems
+from .source_files import differences
 
 
 def int4_block_problems(block: dict) -> list[str]:
@@ -40,6 +50,42 @@ def int4_block_problems(block: dict) -> list[str]:
         if g.get("input_activations"):
             out.append(f"config_groups.{gname} quantizes input activations (W4A16 expected)")
     return out
+
+
+def written_block_problems(block: dict, converted: list[str], kept: list[str], shown: int = 5) -> list[str]:
+    """Where the block differs from the one the converter writes for DST's modules (``int4_block``):
+    targets recomputed from the converted modules; an ignore list that holds the kept experts under
+    both names and nothing that catches a converted layer's experts under vLLM's (``int4_targets``).
+    What only SRC knows is taken as DST says: the source's other ignore entries, its kv-cache and
+    MoE-sparsity fields, the FP8 group's targets (``fp8_group_problems``); the scale rule is
+    ``dst.scale_rule``'s."""
+    ignore = block.get("ignore") or []
+    targets, want_ignore = int4_targets(converted, kept, ignore)
+    keep = {k: block[k] for k in ("kv_cache_scheme", "moe_sparsity_config") if block.get(k) is not None}
+    want = int4_block(targets, ignore, keep)
+    if RULE_KEY in block:
+        want[RULE_KEY] = block[RULE_KEY]
+    else:
+        del want[RULE_KEY]
+    for name, g in (block.get("config_groups") or {}).items():
+        if is_fp8_block_group(g):
+            want["config_groups"][name] = _fp8_group(g)
+    out = differences(block, want, says="the converter writes")
+    lacks, catches = sorted(set(want_ignore) - set(ignore)), sorted(set(ignore) - set(want_ignore))
+    if lacks:
+        out.append(f"ignore lacks {len(lacks)} kept expert name(s) the converter writes: {', '.join(lacks[:shown])}")
+    if catches:
+        out.append(f"ignore entries {catches[:shown]} catch converted experts under the name vLLM asks their "
+                   "scheme of; the converter writes none such")
+    return out[:shown]
+
+
+def _fp8_group(g: dict) -> Any:
+    """The FP8 group the converter writes for the targets and weight block ``g`` names (``g`` itself
+    when its block size is not two integers: the types check names that)."""
+    bs = g["weights"].get("block_structure")
+    ok = isinstance(bs, list) and len(bs) == 2 and all(type(x) is int for x in bs)
+    return fp8_block_group(g.get("targets") or [], bs) if ok else g
 
 
 def fp8_modules(d: Dst) -> list[str]:
@@ -77,9 +123,14 @@ def run(ctx: Context) -> list[Check]:
         c.problems += [f"{'.'.join(path)} {p}" for p in int4_block_problems(block)]
     fp8 = fp8_modules(d)
     if not c.problems:
-        c.problems += selection_problems(blocks, converted_modules(d),
-                                         sorted({t[:-7] for t in d.where if t.endswith(".weight")} - set(fp8)),
-                                         loader=ctx.loader_matcher)
+        converted = converted_modules(d)
+        weights = {t[:-7]: info for t, (_, info) in d.where.items() if t.endswith(".weight")}
+        kept = sorted(m for m, info in weights.items() if len(info.shape) == 2)   # as plan.output_config
+        for path, block in blocks:
+            c.problems += [f"{'.'.join(path)}.{p}" for p in written_block_problems(block, converted, kept)]
+        plain = sorted(set(weights) - set(fp8))
+        c.problems += selection_problems(blocks, converted, plain, loader=ctx.loader_matcher,
+                                         not_linear=[m for m in plain if len(weights[m].shape) != 2])
         c.problems += fp8_group_problems(blocks, fp8)
     c.summary = "quantization_config at " + (", ".join(".".join(p) for p, _ in blocks) or "nowhere")
     if blocks:

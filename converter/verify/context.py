@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..checks import Check, VerifyResult
 from .dst import Dst, load
+
+if TYPE_CHECKING:   # the serving rules load only with --serving
+    from ..servers.rules import ServingRequest
 
 
 @dataclass
@@ -18,7 +21,7 @@ class Context:
     sample: int | None = 8                 # converted tensors re-decoded (None: every one)
     checksums: bool = True
     workers: int = 4
-    serving: tuple | None = None
+    serving: ServingRequest | None = None
     loader_matcher: bool = False           # compressed-tensors' is_match re-decides the config's selection
     rows: dict[str, dict] = field(default_factory=dict)   # figure table rows by tensor (figures -> re-decode)
     plan: Any = None                       # the conversion plan recomputed from SRC (source files -> passthrough)

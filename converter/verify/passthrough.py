@@ -1,6 +1,7 @@
 """Check "passthrough" (with --source): sampled tensors the conversion did not produce are
 byte-identical to the source's (under the name the dialect gave them there), and the MXFP4
-modules written as bf16 (``plan.Dequant``) hold exactly the values their MXFP4 bytes encode."""
+modules written as bf16 (``plan.Dequant``) hold exactly the values their MXFP4 bytes encode, and
+the FP8 linears written as bf16 (``plan.Fp8Dequant``) their e4m3 values times the block scales."""
 from __future__ import annotations
 
 from ..checks import Check
@@ -25,7 +26,9 @@ def run(ctx: Context) -> list[Check]:
     quant = (d.manifest.get("source") or {}).get("quantization") or {}
     produced = {f"{m}.{x}" for m in converted_modules(d) for x in (PACKED, SCALE, SHAPE)}
     dequants = {f"{q.module}.{UNQUANTIZED}": q for s in (ctx.plan.shards if ctx.plan else ()) for q in s.dequants}
-    others = spread(sorted(t for t in d.where if t not in produced and t not in dequants), ctx.sample)
+    fp8 = {f"{q.module}.{UNQUANTIZED}": q for s in (ctx.plan.shards if ctx.plan else ()) for q in s.fp8_dequants}
+    others = spread(sorted(t for t in d.where if t not in produced and t not in dequants and t not in fp8),
+                    ctx.sample)
     renamed = [tuple(r) for r in quant.get("renamed") or [] if isinstance(r, list) and len(r) == 2]
     for t in others:
         try:
@@ -41,9 +44,14 @@ def run(ctx: Context) -> list[Check]:
         why = _dequant_problem(torch, s_t, d_t, t, dequants[t], ctx.plan.source.scale_bias)
         if why:
             copy.fail(why)
+    scaled = spread(sorted(fp8), ctx.sample)
+    for t in scaled:
+        if why := _fp8_problem(torch, s_t, d_t, t, fp8[t]):
+            copy.fail(why)
     copy.summary = f"{len(others)} non-expert tensor(s) byte-identical to the source" + (
         f"; {len(exact)} of {len(dequants)} MXFP4 module(s) written as bf16 equal to their MXFP4 values"
-        if dequants else "")
+        if dequants else "") + (f"; {len(scaled)} of {len(fp8)} FP8 linear(s) written as bf16 equal to their e4m3 "
+                                "values times the block scales, rounded to bf16" if fp8 else "")
     return [copy]
 
 
@@ -61,3 +69,21 @@ def _dequant_problem(torch, s_t: Tensors, d_t: Tensors, name: str, q, bias: int)
         return f"{name}: {got.dtype}{list(got.shape)}, expected bf16[{q.rows}, {q.cols}] decoded from {q.packed.name}"
     differ = int((got.double() != want).sum())  # float64 decodes every finite byte exactly
     return f"{name}: {differ} value(s) differ from the MXFP4 values of {q.packed.name}" if differ else None
+
+
+def _fp8_problem(torch, s_t: Tensors, d_t: Tensors, name: str, q) -> str | None:
+    """Why DST's bf16 ``name`` is not the source FP8 linear's e4m3 values times its fp32 block scales,
+    computed in fp32 and rounded to bf16 (formats/fp8_block.py), or None."""
+    try:
+        got = d_t.get(name)
+    except KeyError:
+        return f"{name}: not in DST"
+    w, s = s_t.get(q.weight.name), s_t.get(q.scale.name).float()
+    if got.dtype != torch.bfloat16 or list(got.shape) != [q.rows, q.cols]:
+        return f"{name}: {got.dtype}{list(got.shape)}, expected bf16[{q.rows}, {q.cols}] decoded from {q.weight.name}"
+    bn, bk = q.block
+    per_block = s.repeat_interleave(bn, 0)[: q.rows].repeat_interleave(bk, 1)[:, : q.cols]
+    want = (w.view(torch.float8_e4m3fn).float() * per_block).to(torch.bfloat16)
+    differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+    return f"{name}: {differ} value(s) differ from the FP8 values of {q.weight.name} times {q.scale.name}" \
+        if differ else None

@@ -1,4 +1,4 @@
-"""Check "serving" (with --serving SERVER): the rules of that server's int4 MoE path (converter.serving)."""
+"""Check "serving" (with --serving SERVER): the rules of that server's int4 MoE path (converter.servers)."""
 from __future__ import annotations
 
 from ..checks import Check
@@ -8,7 +8,7 @@ from .context import Context
 def run(ctx: Context) -> list[Check]:
     if ctx.serving is None:
         return []
-    from ..serving import serving_check
+    from ..servers.check import serving_check
 
     d = ctx.dst
-    return [serving_check(d.config, {t: info for t, (_, info) in d.where.items()}, *ctx.serving)]
+    return [serving_check(d.config, {t: info for t, (_, info) in d.where.items()}, ctx.serving)]

@@ -1,4 +1,4 @@
-"""Check "situ" (SPEC §4): the expert activation is stated in config, in every shard, and in the manifest."""
+"""Check "situ" (docs/spec.md §4): the expert activation is stated in config, in every shard, and in the manifest."""
 from __future__ import annotations
 
 import os

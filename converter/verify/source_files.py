@@ -23,8 +23,8 @@ from .dst import existing_dir, scale_rule
 SHOWN_DIFFERENCES = 5  # field differences named per file
 
 
-def differences(got: Any, want: Any, path: str = "") -> list[str]:
-    """Where a JSON value read from DST differs from the one SRC gives, as dotted field paths."""
+def differences(got: Any, want: Any, path: str = "", says: str = "SRC gives") -> list[str]:
+    """Where a JSON value read from DST differs from the one SRC gives (``says`` who), as dotted field paths."""
     if got == want:
         return []
     if isinstance(got, dict) and isinstance(want, dict):
@@ -32,13 +32,13 @@ def differences(got: Any, want: Any, path: str = "") -> list[str]:
         for k in sorted(set(got) | set(want), key=str):
             p = f"{path}.{k}" if path else str(k)
             if k not in got:
-                out.append(f"{p} is missing, SRC gives {_short(want[k])}")
+                out.append(f"{p} is missing, {says} {_short(want[k])}")
             elif k not in want:
-                out.append(f"{p} is {_short(got[k])}, SRC gives no such field")
+                out.append(f"{p} is {_short(got[k])}, {says} no such field")
             else:
-                out += differences(got[k], want[k], p)
+                out += differences(got[k], want[k], p, says)
         return out
-    return [f"{path or 'the document'} is {_short(got)}, SRC gives {_short(want)}"]
+    return [f"{path or 'the document'} is {_short(got)}, {says} {_short(want)}"]
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -80,7 +80,7 @@ def run(ctx: Context) -> list[Check]:
     c = Check("from source")
     opts = d.manifest.get("options") or {}
     plan = build_plan(src, profile_argument(opts.get("profile")),  # the profile the run recorded (BadInput: exit 2)
-                      bool(opts.get("drop_activation_quant")))
+                      bool(opts.get("drop_activation_quant")), opts.get("fp8_bf16_tp"))
     ctx.plan, want = plan, expected(plan, scale_rule(d))
     have = set(files)
     for name in sorted(want.names - have):

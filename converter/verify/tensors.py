@@ -47,7 +47,7 @@ def run(ctx: Context) -> list[Check]:
                 value = [int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:], "little", signed=True)]
                 if value != [rows, cols]:
                     c.fail(f"{m}.{SHAPE}: holds {value}, but {PACKED} is for [{rows}, {cols}]")
-            if any(ckpt._matches(m, pat) for pat in ignore):
+            if any(ckpt.match_name(m, pat) for pat in ignore):
                 c.fail(f"{m}: quantized, but the config's ignore list excludes it (a loader would read it as bf16)")
     finally:
         for fd in fds.values():

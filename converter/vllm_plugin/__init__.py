@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..servers.releases import proven_vllm
 from .route import NAME, Refused, is_k3_int4
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def _refusing_config(why: str) -> type:
             from vllm.platforms import current_platform
 
             if current_platform.is_rocm():
-                raise Refused(f"cannot load under this vLLM ({why}); it was written for vLLM 0.33")
+                raise Refused(f"cannot load under this vLLM ({why}); it was proven on vLLM {proven_vllm()}")
             return None
 
     return K3Int4Refusing

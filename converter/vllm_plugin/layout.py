@@ -3,7 +3,7 @@
 On a GPU ``convert_experts_`` runs one fused Triton pass (``layout_kernel``); the torch functions here
 are the CPU path, the readable statement of the layout, and what the load-time probe compares with aiter.
 
-Integer permutations only: no value is dequantized or requantized. The target is what vLLM 0.33's
+Integer permutations only: no value is dequantized or requantized. The target is what vLLM's
 load-time path (`quantization/mxfp4.py` `_setup_kernel_k3_situ_gfx942`) hands aiter on gfx942:
   weight: signed int4 codes [E, N, K] -> aiter `shuffle_weight(x, (16, 16))` on one int8 per code
           -> `pack_int8_to_packed_int4` (8 codes v0..v7 -> bytes v_j & 0xF | v_{j+4} << 4) -> [E, N, K/2];

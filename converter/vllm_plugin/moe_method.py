@@ -1,8 +1,9 @@
 """The routed-experts method: load k3convert int4 as compressed-tensors does, lay it out for AITER's
-packed-int4 a16w4 kernel, and build the kernel vLLM 0.33's own gfx942 K3 route builds.
+packed-int4 a16w4 kernel, and build the kernel vLLM's own gfx942 K3 route builds.
 
-Written against vLLM 0.33.0 (`quantization/mxfp4.py` Mxfp4MoEMethod and `_setup_kernel_k3_situ_gfx942`,
-`compressed_tensors_moe_wna16.py` create_weights); route.decide refuses other versions.
+Written against vLLM's `quantization/mxfp4.py` (Mxfp4MoEMethod, `_setup_kernel_k3_situ_gfx942`) and
+`compressed_tensors_moe_wna16.py` (create_weights) of every proven release (converter/servers/releases;
+file and line per release in docs/vllm_plugin.md); route.decide refuses other versions.
 """
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
             self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra)
 
     def _refuse_padding_vllm_cannot_build(self) -> None:
-        """One line instead of the AttributeError vLLM 0.33.0's KimiMoE raises right after this layer
-        is built when it pads it (route.PADDING_CRASHES)."""
+        """One line instead of the AttributeError vLLM's KimiMoE raises right after this layer
+        is built when it pads it (route.padding_crashes)."""
         import vllm
         from vllm.config import get_current_vllm_config
         from vllm.distributed import get_tensor_model_parallel_world_size
@@ -220,7 +221,7 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
         """The layer's own expert kernel as a function of a probe, without any collective.
 
         Without all2all kernels it is ``self.apply``, the call the model makes. With them (DP > 1 and
-        EP: vLLM 0.33 `fused_moe/config.py` 1035-1038) the serving kernel's prepare/finalize dispatches
+        EP: vLLM's `fused_moe/config.py` use_all2all_kernels) the serving kernel's prepare/finalize dispatches
         tokens across ranks, which one rank cannot do alone at load; so the same experts object (the
         one serving uses: same weights, quant config, activation) is wrapped in vLLM's own no-DP/EP
         prepare/finalize (`prepare_finalize/no_dp_ep.py`, what `maybe_make_prepare_finalize` picks at

@@ -7,17 +7,19 @@ to convert 1.45 TB again. Works on compressed-tensors words and scales (before t
 layer already laid out: the layout (layout.convert_experts_) is a permutation of each expert's nibbles
 (code q stored as q & 0xF, i.e. the CT nibble q + 8 with its top bit flipped) and of its scales, so its
 inverse is found by running convert_experts_ itself on tensors of position digits (whatever
-implementation layout.py has), once per shape.
+implementation layout.py has), per call: the plugin unlays one layer per process (the first; later
+layers are repaired before their layout), so a cache would only keep the index (int64 per nibble of an
+expert, 0.26 GiB per rank at EP 8) on the GPU, taken from the KV cache, for the process's life.
 
 Steps by device (``experts_per_step``): on the CPU CHUNK experts at a time; on a GPU (CUDA or ROCm) as
 many experts as fit GPU_CHUNK_BYTES of transient memory (about 256 bytes per group for the codes and
 their index arrays, 4 bytes per nibble for the unlayout), plus int4_pm7's step (GPU_STEP_BYTES). Peak
-transient memory on a GPU: about GPU_CHUNK_BYTES + int4_pm7.GPU_STEP_BYTES (2 GiB), plus the cached
-inverse layout index (int64 per nibble and scale of one expert, per weight shape).
+transient memory on a GPU: about GPU_CHUNK_BYTES + int4_pm7.GPU_STEP_BYTES (2 GiB), plus the inverse
+layout index (int64 per nibble and scale of one expert) while a laid-out weight is unlaid; nothing is
+left on the device after the call.
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, Iterable
 
@@ -77,10 +79,9 @@ def _nibble_digits(pos: torch.Tensor, d: int) -> torch.Tensor:
     return ((pos // 16 ** d) % 16).to(torch.uint8)
 
 
-@functools.lru_cache(maxsize=8)
-def _inverse(n: int, k: int, g: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _inverse(n: int, k: int, g: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """For one expert of [N, K] codes and [N, G] scales: the CT position of each laid-out nibble and
-    scale (int64 [N*K], [N*G]), from convert_experts_ run on position digits."""
+    scale (int64 [N*K], [N*G]), from convert_experts_ run on position digits. Not cached (module doc)."""
     npos, spos = n * k, n * g
     pos = torch.arange(npos, dtype=torch.int64, device=device)
     src = torch.zeros(npos, dtype=torch.int64, device=device)
@@ -110,7 +111,7 @@ def unlayout_(packed: torch.Tensor, flat_scales: torch.Tensor, n: int, k: int
     """In place: a laid-out layer (uint8 [E, N, K/2], bf16 flat) back to CT words [E, N, K/8] and
     scales [E, N, G], views of the same storage."""
     e, g = packed.shape[0], k // layout.GROUP
-    src, ssrc = _inverse(n, k, g, str(packed.device))
+    src, ssrc = _inverse(n, k, g, packed.device)
     words = packed.view(torch.uint8).reshape(e, n, k // 2)
     scales = flat_scales.view(e, n * g)
     step = experts_per_step(packed.device, n * k * BYTES_PER_NIBBLE)

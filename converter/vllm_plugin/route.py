@@ -12,18 +12,18 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..activation_fields import SITU_FIELDS, ActivationConflict, find as find_activation
+from ..servers.releases import NEWEST_VLLM, VLLM, Release, all_kimi_model_types, proven_vllm, vllm_release
 
 NAME = "k3convert-int4-gfx942"
-VLLM_SERIES = "0.33."                          # the vLLM the layout and kernel build were written for
 GEMM1_PARAMS = ("act", "situ_beta", "situ_linear_beta")
-KERNEL_MODULE = "aiter.ops.flydsl.kernels.moe_2stage_a16wmix"   # vLLM 0.33 mxfp4.py:882 imports gemm1 from it
+KERNEL_MODULE = NEWEST_VLLM.facts.gemm1_module   # where every proven release's route imports gemm1 from
 PREFIX = "k3convert vLLM plugin:"
-# A child of vLLM's "vllm" logger: vLLM 0.33 configures only that one (vllm/logger.py 100-105), so a
-# logger named after this package would print nothing below WARNING, and that without vLLM's format.
+# A child of vLLM's "vllm" logger: vLLM configures only that one (docs/vllm_plugin.md), so a logger
+# named after this package would print nothing below WARNING, and that without vLLM's format.
 LOGGER = "vllm.k3convert_plugin"
 GROUP = 32        # int4 group size the kernel reads
 SHUFFLE_N = 16    # rows per aiter (16, 16) preshuffle tile
-ALIGN = 128       # vLLM 0.33 rounds AITER_MXFP4_BF16 K3 SiTU sizes up to this (oracle/mxfp4.py:888-892)
+ALIGN = NEWEST_VLLM.facts.align   # vLLM's route rounds AITER_MXFP4_BF16 K3 SiTU sizes up to this
 
 
 class Refused(RuntimeError):
@@ -44,6 +44,7 @@ class Machine:
     gemm1_error: str = ""                      # why it could not be imported (aiter's own words)
     gpu: str = ""                              # the GPU's name as vLLM reports it, for messages
     aiter_found: bool = True                   # vLLM found the aiter package (_aiter_ops.py is_aiter_found)
+    aiter_silu_int4: bool = False              # aiter still has SILU_INT4_MODULE (found, never imported)
 
 
 def _get(cfg: Any, key: str) -> Any:
@@ -87,15 +88,29 @@ def text_config(hf_config: Any) -> Any:
     return _get(hf_config, "text_config") or hf_config
 
 
-# kimi_k3_mtp: vLLM 0.33 renames the speculative draft's model_type (config/speculative.py:785-792); its
-# KimiK3MTP layers are the same KimiDecoderLayer/KimiMoE (models/kimi_k3/amd/mtp.py:84, linear.py:198),
-# built from the same hf_text_config: the same SiTU experts.
-K3_MODEL_TYPES = ("kimi_k3", "kimi_k3_mtp")
+# Kimi K3, K3.1 and the MTP draft as vLLM's speculative config renames it: every proven release's
+# Kimi K3 classes (the same KimiDecoderLayer/KimiMoE, the same SiTU experts; docs/vllm_plugin.md).
+K3_MODEL_TYPES = all_kimi_model_types()
 
 
 def is_kimi_k3(hf_config: Any) -> bool:
-    """Kimi K3, or its MTP draft as vLLM's speculative config renames it."""
+    """A model some proven vLLM builds with its Kimi K3 classes."""
     return hf_config is not None and _get(hf_config, "model_type") in K3_MODEL_TYPES
+
+
+def release_of(vllm_version: str, model_type: Any) -> Release:
+    """The proven release of this vLLM, which must build this model type; else Refused naming the proven."""
+    release = vllm_release(vllm_version)
+    if release is None:
+        raise Refused(f"proven on vLLM {proven_vllm()}, found vLLM {vllm_version or 'unknown'}: its model, MoE "
+                      f"and kernel code were not checked; serve with a proven vLLM, or VLLM_PLUGINS= (empty) to "
+                      f"turn the plugin off")
+    facts = release.facts
+    if model_type not in (*facts.kimi_model_types, *facts.kimi_mtp_types):
+        first = next((r.version for r in VLLM if model_type in r.facts.kimi_model_types), None)
+        raise Refused(f"vLLM {vllm_version} builds no model of model_type {model_type!r}"
+                      + (f" (first in vLLM {first}): serve it with that release or newer" if first else ""))
+    return release
 
 
 def int4_groups(quant_cfg: Mapping) -> list[tuple[str, Mapping]]:
@@ -125,6 +140,25 @@ def scheme_problem(weights: Mapping, input_activations: Any, fmt: Any) -> str | 
     return None
 
 
+# ROCm/aiter's FlyDSL MoE module before #4646, which deleted it. From #4502 to #4646 aiter already had
+# KERNEL_MODULE with flydsl_a16w4_gemm1(act, situ_beta, situ_linear_beta), so the signature check
+# passes, but fused_moe built packed-int4 stage 1 with this module's compile_moe_gemm1, which takes no
+# activation and computes SiLU. No tag holds that window; nightly builds do (docs/deploy.md, the pairs).
+SILU_INT4_MODULE = "aiter.ops.flydsl.kernels.moe_gemm_2stage"
+
+
+def aiter_window_problem(silu_int4_module: bool) -> str | None:
+    """Why an aiter that still has the pre-#4646 packed-int4 stage 1 cannot serve SiTUv2, or None.
+
+    Decided from the module's presence alone, before any kernel runs, whatever K3CONVERT_SELFTEST says.
+    """
+    if not silu_int4_module:
+        return None
+    return (f"the installed aiter still has {SILU_INT4_MODULE} (a build between ROCm/aiter #4502 and #4646): "
+            "its fused_moe runs packed-int4 stage 1 there, which computes SiLU, not K3's SiTUv2, whatever "
+            "flydsl_a16w4_gemm1 accepts; install aiter v0.1.20 or later (docs/deploy.md); " + OFF)
+
+
 def gemm1_problem(gemm1: Callable[..., Any] | None, error: str = "") -> str | None:
     """Why aiter's packed-int4 stage-1 entry point cannot compute SiTUv2, or None."""
     if gemm1 is None:
@@ -151,7 +185,7 @@ OFF = "VLLM_PLUGINS= (empty) turns the plugin off"
 def experts_choice(lora_config: Any, moe_backend: Any, elastic_ep: bool) -> str | None:
     """Who serves the routed experts: None (the plugin), or why vLLM's own method must; raises Refused.
 
-    vLLM 0.33's CompressedTensorsMoEMethod.get_moe_method (compressed_tensors_moe.py:106-130) uses its
+    vLLM's CompressedTensorsMoEMethod.get_moe_method (docs/vllm_plugin.md) uses its
     own int4 kernels only without LoRA and honours a chosen emulation backend: the plugin does the same.
     Any other explicit backend would be ignored by the plugin's kernel or, served by vLLM, compute
     SiLU (flydsl) or refuse SiTU (triton): refused. Elastic EP rebuilds the method as vLLM's
@@ -207,16 +241,17 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
                       "uses is vLLM's gfx942 route, and stock vLLM here would dequantize the experts to bf16 or "
                       "compute SiLU (--moe-backend flydsl); on gfx950 serve the MXFP4 original; " + OFF)
     if not m.aiter_found:
-        raise Refused("aiter is not installed: vLLM's AITER switches answer None without it (vLLM 0.33.0 "
-                      "_aiter_ops.py 279-291), whatever VLLM_ROCM_USE_AITER says; install ROCm/aiter (an image "
+        raise Refused("aiter is not installed: vLLM's AITER switches answer None without it (_aiter_ops.py "
+                      "if_aiter_supported), whatever VLLM_ROCM_USE_AITER says; install ROCm/aiter (an image "
                       "with aiter, e.g. vLLM's ROCm image) and set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1; "
                       + OFF)
     if not m.aiter_moe_enabled:
         raise Refused("AITER MoE is off: set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1 (stock vLLM would "
                       "dequantize the int4 experts to bf16: about 4x their memory); " + OFF)
-    if not m.vllm_version.startswith(VLLM_SERIES):
-        raise Refused(f"written for vLLM {VLLM_SERIES}x, found vLLM {m.vllm_version or 'unknown'}")
+    release_of(m.vllm_version, _get(hf_config, "model_type"))
     if (why := gemm1_problem(m.gemm1, m.gemm1_error)) is not None:
+        raise Refused(why)
+    if (why := aiter_window_problem(m.aiter_silu_int4)) is not None:
         raise Refused(why)
     for name, group in int4_groups(quant_cfg):
         why = scheme_problem(group["weights"], group.get("input_activations"),
@@ -232,11 +267,6 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
 # otherwise (models/kimi_k3/amd/linear.py 227-236, nvidia/model.py 419-428: getattr(config, KIMI_MIN_KEY, 256))
 KIMI_MIN_PER_RANK = 256
 KIMI_MIN_KEY = "min_moe_intermediate_per_partition"
-# vLLM release series whose KimiMoE cannot build a padded layer: it zeroes the padding through
-# `self.experts.w13_weight_packed`, but self.experts is the MoE runner, which holds no such attribute
-# (amd/linear.py 349-357: AttributeError; seen running vLLM's own KimiMoE, tests/test_vllm_plugin_e2e.py).
-# Matched by release series (0.33.0, 0.33.1, 0.33.0+rocm..., 0.33.1rc1, ...), not one version string.
-PADDING_CRASHES = ((0, 33),)
 PADDING_FIX = ("serve with a TP size of at most 12 (K3: 3072 / TP >= 256), e.g. --tensor-parallel-size 8 "
                "--pipeline-parallel-size 2, or --data-parallel-size 2 --tensor-parallel-size 8 "
                "--enable-expert-parallel")
@@ -259,15 +289,12 @@ def kimi_padded(inter: int, tp: int, minimum: int = KIMI_MIN_PER_RANK) -> tuple[
     return None if pad == per else (per, pad)
 
 
-def release_series(version: str) -> tuple[int, int] | None:
-    """(major, minor) of a vLLM version string ('0.33.1+rocm7.0' -> (0, 33)), None if unreadable."""
-    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\D|$)", version or "")
-    return (int(m[1]), int(m[2])) if m else None
-
-
 def padding_crashes(vllm_version: str) -> bool:
-    """Whether this vLLM's KimiMoE crashes building a padded layer (every build of a PADDING_CRASHES series)."""
-    return release_series(vllm_version) in PADDING_CRASHES
+    """Whether this vLLM's KimiMoE crashes building a padded layer: it zeroes the padding through
+    `self.experts.w13_weight_packed`, but self.experts is the MoE runner, which holds no such attribute
+    (the release's ``kimi_padding_crashes``; seen running vLLM's own KimiMoE). By release series."""
+    release = vllm_release(vllm_version)
+    return release is not None and release.facts.kimi_padding_crashes
 
 
 def padding_refusal(inter: int, tp: int, minimum: int, vllm_version: str) -> str | None:
@@ -281,7 +308,7 @@ def padding_refusal(inter: int, tp: int, minimum: int, vllm_version: str) -> str
 
 
 def real_channels(ckpt_inter: int, moe_tp_size: int, moe_tp_rank: int) -> int:
-    """The intermediate channels vLLM 0.33's loader puts on this MoE rank (routed_experts.py
+    """The intermediate channels vLLM's loader puts on this MoE rank (routed_experts.py
     _load_w13/_load_w2: the unpadded per-rank size, the last rank may get fewer); the rest of a padded
     per-rank size stays padding."""
     per = ckpt_inter // moe_tp_size

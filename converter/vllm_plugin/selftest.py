@@ -5,7 +5,7 @@ that computes SiLU, decodes code -8 as something else, reads another layout or l
 through from a correct one. So after the first routed-experts layer is laid out, a few tokens go
 through the layer's own ``apply`` (the very kernel call the model makes) and are compared with a
 float32 reference computed from the checkpoint's int4 codes and scales as compressed-tensors defines
-them (value = q * scale) and SiTU-GLU with the config's betas (SPEC §4). Tokens are scaled so that
+them (value = q * scale) and SiTU-GLU with the config's betas (docs/spec.md §4). Tokens are scaled so that
 the gate and up projections reach the ranges where SiTU differs from SiLU and linear_beta clips.
 One probe per kernel variant serving reaches (aiter's M tile, chosen by token count: TILE_BANDS), so a
 prefill-only fault is caught too. On a mismatch the alternatives that explain it (SiLU, no linear_beta,
@@ -28,12 +28,18 @@ TOL = 0.03                     # worst per-token relative L2 error a bf16 a16w4 
 TOKEN_RMS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)   # target RMS of each token's gate projection
 MAX_LOCAL = 8                  # local experts sampled when remote ones fill the rest of top-k
 MINUS_EIGHT_FIX = ("convert with `--scale-rule optimal-pm7` (codes in [-7, 7], README: Which scale rule)")
-# aiter's untuned int4 MoE picks its M tile by token count: 16 below 2048 tokens, 32 below 16384, 64
-# above (aiter/fused_moe.py get_2stage_cfgs: `16 if token < 2048 else 32 if token < 16384 else 64`, on
-# get_padded_M's buckets). The thresholds are literals there, not exposed: these are them.
-TILE_BANDS = ((16, 1), (32, 2048), (64, 16384))   # (tile, smallest token count that reaches it)
+# aiter's untuned int4 MoE picks its M tile from the token count padded up to a power of two
+# (get_padded_M, below 32768): `16 if token < 2048 else 32 if token < 16384 else 64` on the padded count,
+# so tile 16 up to 1024 tokens, 32 from 1025, 64 from 8193 (literals there, not exposed; file and lines:
+# docs/vllm_plugin.md). Each band is probed with its smallest count: a partial last tile too.
+TILE_BANDS = ((16, 1), (32, 1025), (64, 8193))   # (tile, smallest token count that reaches it)
 DECODE_TOKENS = len(TOKEN_RMS)                      # the smallest band is probed with 8 tokens
 DISTINCT = 256   # distinct tokens of a bigger probe; its other rows repeat them in random order
+
+
+def probe_tokens(first_tokens: int) -> int:
+    """The token count a band (its smallest count: TILE_BANDS) is probed with."""
+    return max(first_tokens, DECODE_TOKENS)
 
 
 def enabled() -> bool:
@@ -146,7 +152,8 @@ def choose_experts(local_ids: list[int], global_num: int, top_k: int) -> tuple[l
     local_set = set(local_ids)
     remote_all = [e for e in range(global_num) if e not in local_set]
     n_local = min(len(local_ids), top_k if not remote_all else max(1, min(MAX_LOCAL, top_k // 2)))
-    spread = [local_ids[(i * len(local_ids)) // n_local] for i in range(n_local)]   # first to last
+    last = len(local_ids) - 1      # first and last included: the rank's last weight bytes are probed too
+    spread = [local_ids[(i * last) // max(1, n_local - 1)] for i in range(n_local)]
     n_remote = min(top_k - n_local, len(remote_all))
     remote = [remote_all[(i * len(remote_all)) // n_remote] for i in range(n_remote)] if n_remote else []
     return spread, remote
@@ -304,7 +311,7 @@ def run(apply: Callable[[Probe], torch.Tensor], experts: Mapping[int, Expert], r
     out = []
     for tile, first_tokens in bands:
         exps, rem = variant_experts(experts, remote, tile)
-        probe = make_probe(exps, rem, act, tokens=max(first_tokens, DECODE_TOKENS))
+        probe = make_probe(exps, rem, act, tokens=probe_tokens(first_tokens))
         want = probe_reference(probe, exps, act)
         got = apply(probe)
         if got.device.type == "cuda":

@@ -13,12 +13,13 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 )
 
 from . import route
+from .aiter_info import has_module
 
 logger = init_logger(route.LOGGER)
 
 
 def machine() -> route.Machine:
-    """Facts about this process's machine, each read the way vLLM 0.33's own gfx942 route reads it.
+    """Facts about this process's machine, each read the way vLLM's own gfx942 route reads it.
 
     Called only for a K3 int4 SiTU checkpoint (route.decide), so aiter is imported for nothing else.
     """
@@ -48,10 +49,13 @@ def machine() -> route.Machine:
     gemm1, error = None, ""
     if gfx942 and moe_on:
         try:
-            from aiter.ops.flydsl.kernels.moe_2stage_a16wmix import flydsl_a16w4_gemm1 as gemm1
+            import importlib   # the module the release's own route imports gemm1 from (route.KERNEL_MODULE)
+            gemm1 = importlib.import_module(route.KERNEL_MODULE).flydsl_a16w4_gemm1
         except Exception as exc:  # noqa: BLE001 - reported by route.gemm1_problem, aiter's words kept
             error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    return route.Machine(True, gfx942, moe_on, getattr(vllm, "__version__", ""), gemm1, error, gpu, found)
+    silu_int4 = gfx942 and moe_on and has_module(route.SILU_INT4_MODULE)   # found, not imported
+    return route.Machine(True, gfx942, moe_on, getattr(vllm, "__version__", ""), gemm1, error, gpu, found,
+                         aiter_silu_int4=silu_int4)
 
 
 class K3Int4Gfx942Config(CompressedTensorsConfig):

@@ -285,7 +285,7 @@ def case(vllm_config, helpers, tensors, tp: int, rank: int, fault: str = "", neu
     vllm.__version__ = version
     # every 0.33.x KimiMoE crashes padding: a vLLM that builds padded layers is simulated by turning the
     # plugin's refusal of that series off (and, for the fixed runner, by runner_holds_weights)
-    route.PADDING_CRASHES = ((0, 33),) if plugin_pad_refusal else ()
+    route.padding_crashes = (lambda _v: True) if plugin_pad_refusal else (lambda _v: False)
     runner_holds_weights(runner_fixed)
     SimKernel.fault = fault
     Collective.calls = 0

@@ -1,14 +1,16 @@
-"""What each supported model's vLLM 0.33.0 loader refuses at load, from config.json and the launch.
+"""What each supported model's vLLM loader refuses at load, from config.json and the launch.
 
 One table, ``LOADERS``: a model's ``model_type`` (top level or ``text_config``) -> the refusals its
 vLLM classes raise while the model is built, each a config field tested against the topology and
-the released file and line that raises. `verify --serving vllm-*` runs them (rule ``loader``).
+the key of the release's citation (``releases/``) of the line that raises. `verify --serving vllm-*` runs them (rule ``loader``).
 
 To add a model: read its vLLM class's ``__init__`` (and its MoE, attention and MLP classes) for
 every ``raise`` / ``assert`` that depends on config or on the TP/DP/EP/PP sizes, and add one
 ``Refusal`` per line, keyed by each ``model_type`` the model's configs use, e.g.
 
-    LOADERS["bailing_moe_v3"] = (Refusal("num_experts", "tp<=", V + "model_executor/models/... 120-124"),)
+    LOADERS["bailing_moe_v3"] = (Refusal("num_experts", "tp<=", "loader.ling.experts"),)
+
+and the citation ``"loader.ling.experts": "$V model_executor/models/... 120-124"`` in each release module.
 
 Kinds (``CHECKS``): ``tp<=`` (TP at most the field), ``tp|`` (TP divides the field), ``kv`` (vLLM's
 KV-head rule: the field divides TP or TP divides it), ``is`` (the field is one of ``want``). A field the
@@ -19,15 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .releases import Release, all_kimi_model_types
 from .topology import Topology
-
-V = "vllm 0.33.0 "
-KIMI = V + "models/kimi_k3/amd/"
-MINIMAX = V + "models/minimax_m3/amd/model.py"
-MIMO = V + "model_executor/models/mimo_v2.py"
-LING = V + "model_executor/models/bailing_moe_v3.py"
-GLM5 = V + "models/glm5next/common/model.py"
-QKV = V + "model_executor/layers/linear.py 1065-1071 (QKVParallelLinear: divide() asserts)"
 
 
 @dataclass(frozen=True)
@@ -36,7 +31,7 @@ class Refusal:
 
     key: str
     kind: str
-    where: str
+    cite: str            # the release's citation key
     want: tuple = ()     # for kind "is": the values the loader takes
 
 
@@ -64,31 +59,31 @@ CHECKS: dict[str, Callable[[str, Any, Topology, tuple], str | None]] = {
 }
 
 # Every vLLM model: the engine refuses heads that TP does not divide before any class is built.
-ENGINE = (Refusal("num_attention_heads", "tp|", V + "config/model.py 1557-1563 (verify_with_parallel_config)"),)
+ENGINE = (Refusal("num_attention_heads", "tp|", "loader.engine.heads"),)
 
 _KIMI = (
-    Refusal("num_attention_heads", "tp|", KIMI + "linear.py 405 (MLA) and 797-799"),
-    Refusal("linear_attn_config.num_heads", "tp|", KIMI + "kda.py 130-131 (KDA heads)"),
+    Refusal("num_attention_heads", "tp|", "loader.kimi.heads"),
+    Refusal("linear_attn_config.num_heads", "tp|", "loader.kimi.kda-heads"),
 )
 _MINIMAX = (
-    Refusal("num_local_experts", "tp<=", MINIMAX + " 362-366 (MiniMaxM3MoE)"),
-    Refusal("num_attention_heads", "tp|", MINIMAX + " 516-517 and 656-657"),
-    Refusal("num_key_value_heads", "kv", MINIMAX + " 519-523 and 659-663"),
+    Refusal("num_local_experts", "tp<=", "loader.minimax.experts"),
+    Refusal("num_attention_heads", "tp|", "loader.minimax.heads"),
+    Refusal("num_key_value_heads", "kv", "loader.minimax.kv-heads"),
 )
 _MIMO = (
-    Refusal("n_routed_experts", "tp<=", MIMO + " 138-142 (MiMoV2MoE)"),
-    Refusal("hidden_act", "is", MIMO + " 144-148 (MiMoV2MoE: only silu)", ("silu",)),
-    Refusal("num_key_value_heads", "kv", QKV),
-    Refusal("swa_num_key_value_heads", "kv", QKV),
+    Refusal("n_routed_experts", "tp<=", "loader.mimo.experts"),
+    Refusal("hidden_act", "is", "loader.mimo.act", ("silu",)),
+    Refusal("num_key_value_heads", "kv", "loader.qkv"),
+    Refusal("swa_num_key_value_heads", "kv", "loader.qkv"),
 )
 # Ling-3.0: no TP > experts check in its MoE (1157-1227); its MLA asserts the heads split
-_LING = (Refusal("num_attention_heads", "tp|", LING + " 480 (BailingMoeV3MLAAttention)"),)
+_LING = (Refusal("num_attention_heads", "tp|", "loader.ling.heads"),)
 _GLM5 = (
-    Refusal("hidden_act", "is", GLM5 + " 202-205 (Glm5NextMLP) and 243-247 (Glm5NextMoE: only silu)", ("silu",)),
-    Refusal("num_attention_heads", "tp|", GLM5 + " 765-768 (Glm5NextModel)"),
+    Refusal("hidden_act", "is", "loader.glm5.act", ("silu",)),
+    Refusal("num_attention_heads", "tp|", "loader.glm5.heads"),
 )
 LOADERS: dict[str, tuple[Refusal, ...]] = {
-    "kimi_k3": _KIMI, "kimi_linear": _KIMI,
+    "kimi_linear": _KIMI, **{t: _KIMI for t in all_kimi_model_types()},
     "minimax_m3_vl": _MINIMAX, "minimax_m3_text": _MINIMAX,
     "mimo_v2_flash": _MIMO, "mimo_v2": _MIMO,
     "bailing_hybrid": _LING, "bailing_moe_v3": _LING,
@@ -112,7 +107,7 @@ def _value(cfg: dict, key: str) -> tuple[bool, Any]:
     return True, value
 
 
-def refusals(config: dict | None, topo: Topology) -> list[tuple[str, str]]:
+def refusals(config: dict | None, topo: Topology, release: Release) -> list[tuple[str, str]]:
     """(short problem, where) for every load-time refusal the model's vLLM loader raises at ``topo``."""
     config = config or {}
     types = [t for t in (config.get("model_type"), text_config(config).get("model_type")) if isinstance(t, str)]
@@ -124,5 +119,5 @@ def refusals(config: dict | None, topo: Topology) -> list[tuple[str, str]]:
         why = CHECKS[r.kind](r.key, value, topo, r.want) if stated else None
         if why and why not in seen:
             seen.add(why)
-            out.append((f"{why}: vLLM's loader refuses it", r.where))
+            out.append((f"{why}: vLLM's loader refuses it", release.cite(r.cite)))
     return out

@@ -1,4 +1,4 @@
-"""What vLLM 0.33.0 refuses per rank in our output's FP8 block linears (the fp8-mxfp4 dialect's group_1).
+"""What vLLM refuses per rank in our output's FP8 block linears (the fp8-mxfp4 dialect's group_1).
 
 vLLM's compressed-tensors FP8 scheme validates every block-FP8 linear's per-rank sizes while the
 layer is built (``compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py`` 103-114 calls
@@ -21,20 +21,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Iterable, Mapping
 
+from .releases import Release
 from .topology import Topology
-
-V = "vllm 0.33.0 "
-LING = V + "model_executor/models/bailing_moe_v3.py"
-MIMO = V + "model_executor/models/mimo_v2.py"
-VALIDATE = (V + "quantization/compressed_tensors/schemes/compressed_tensors_w8a8_fp8.py 103-114 -> "
-            "quantization/utils/fp8_utils.py validate_fp8_block_shape 1296-1344 (no mismatch allowance under "
-            "compressed-tensors: layers/linear.py 562-581 reads Fp8Config's weight_block_size)")
-DIVIDE = V + "layers/linear.py 497-503 (column), 1708 (row): divide() asserts"
-LING_PAD = (f"{LING} 299-320, 1186-1198, 1547-1552: under the source's Fp8Config vLLM pads the shared "
-            f"experts' intermediate size to a multiple of TP * 128 and zero-pads the tensors at load; under "
-            f"compressed-tensors it does not (_is_block_fp8_config 222-228)")
 
 
 @dataclass(frozen=True)
@@ -44,7 +34,7 @@ class Linear:
     ``fused`` q, k, v); ``alone``: the kind when no sibling of ``fused`` is in the FP8 group."""
 
     kind: str
-    where: str
+    cite: str                  # the release's citation key
     fused: tuple[str, ...] = ()
     alone: str = ""
 
@@ -53,33 +43,29 @@ _MLP = {"gate_proj": ("gate_proj", "up_proj"), "up_proj": ("gate_proj", "up_proj
 
 
 def _ling() -> dict[str, Linear]:
-    mlp = f"{LING} 432-446 (BailingMoeV3MLP: dense and shared-expert MLPs)"
-    kda = f"{LING} 696-719 (KDA qkvb_proj; b_proj is fused under compressed-tensors, 691)"
+    mlp, kda = "fp8.ling.mlp", "fp8.ling.kda"
     qkvb = ("q_proj", "k_proj", "v_proj", "b_proj")
     out = {p: Linear("merged", mlp, _MLP[p]) for p in _MLP}
     out |= {"down_proj": Linear("row", mlp),
             "q_proj": Linear("merged", kda, qkvb, alone="column"),   # MLA q_proj alone: 487-493
             **{p: Linear("merged", kda, qkvb) for p in ("k_proj", "v_proj", "b_proj")},
-            "q_a_proj": Linear("merged-replicated", f"{LING} 505-512 (fused_qkv_a_proj, disable_tp)",
+            "q_a_proj": Linear("merged-replicated", "fp8.ling.qkv-a",
                                ("q_a_proj", "kv_a_proj_with_mqa")),
-            "kv_a_proj_with_mqa": Linear("merged-replicated", f"{LING} 505-512 (fused_qkv_a_proj, disable_tp); "
-                                         f"alone ReplicatedLinear 497-503", ("q_a_proj", "kv_a_proj_with_mqa"),
+            "kv_a_proj_with_mqa": Linear("merged-replicated", "fp8.ling.kv-a", ("q_a_proj", "kv_a_proj_with_mqa"),
                                          alone="replicated"),
-            "q_b_proj": Linear("column", f"{LING} 514-520"),
-            "kv_b_proj": Linear("column", f"{LING} 525-531"),
-            "g_proj": Linear("column", f"{LING} 561-570 (MLA; replicated only under Fp8Config, 541-552) and "
-                                       f"763-769 (KDA)"),
-            "f_proj": Linear("column", f"{LING} 721-727"),
-            "dense": Linear("row", f"{LING} 573-579"),
-            "o_proj": Linear("row", f"{LING} 773-779")}
+            "q_b_proj": Linear("column", "fp8.ling.q-b"),
+            "kv_b_proj": Linear("column", "fp8.ling.kv-b"),
+            "g_proj": Linear("column", "fp8.ling.g"),
+            "f_proj": Linear("column", "fp8.ling.f"),
+            "dense": Linear("row", "fp8.ling.dense"),
+            "o_proj": Linear("row", "fp8.ling.o")}
     return out
 
 
 def _mimo() -> dict[str, Linear]:
-    mlp = f"{MIMO} 89-103 (MiMoV2MLP)"
-    qkv = f"{MIMO} 284-293 (QKVParallelLinear; layers/linear.py 1063-1083)"
+    mlp, qkv = "fp8.mimo.mlp", "fp8.mimo.qkv"
     out = {p: Linear("merged", mlp, _MLP[p]) for p in _MLP}
-    out |= {"down_proj": Linear("row", mlp), "o_proj": Linear("row", f"{MIMO} 295-301"),
+    out |= {"down_proj": Linear("row", mlp), "o_proj": Linear("row", "fp8.mimo.o"),
             **{p: Linear("qkv", qkv, ("q_proj", "k_proj", "v_proj")) for p in ("q_proj", "k_proj", "v_proj")}}
     return out
 
@@ -98,6 +84,78 @@ LINEARS: dict[str, dict[str, Linear]] = {"bailing_moe_v3": _LING_T, "bailing_hyb
                                          "mimo_v2_flash": _MIMO_T, "mimo_v2": _MIMO_T}
 KV_HEADS: dict[str, Callable[[Mapping[str, Any], int], int | None]] = {"mimo_v2_flash": _mimo_kv_heads,
                                                                         "mimo_v2": _mimo_kv_heads}
+
+
+def _table(config: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Linear] | None]:
+    """(the text config, the model type's LINEARS table or None)."""
+    config = dict(config or {})
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    types = [t for t in (config.get("model_type"), text.get("model_type")) if isinstance(t, str)]
+    return text, next((LINEARS[t] for t in types if t in LINEARS), None)
+
+
+def mixed_fusions(config: Mapping[str, Any] | None, fp8: Collection[str], modules: Iterable[str]
+                  ) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """(parent, FP8 shards, other shards) of every layer vLLM fuses from checkpoint linears of which
+    some are in the FP8 group and some are not (``modules``: every linear's checkpoint name). Under
+    compressed-tensors vLLM builds such a layer unquantized (``fp8.fused-mixed``): it then loads the
+    FP8 shards' e4m3 values with their scales dropped. Ling's KDA fuses q, k, v and b always
+    (``fp8.ling.kda-fused``), so a source that keeps ``b_proj`` out of FP8 gives exactly that."""
+    _, table = _table(config)
+    if table is None:
+        return []
+    present: dict[str, set[str]] = {}
+    for module in modules:
+        parent, _, name = module.rpartition(".")
+        if name in table:
+            present.setdefault(parent, set()).add(name)
+    out = []
+    for parent, names in sorted(present.items()):
+        seen: set[tuple[str, ...]] = set()
+        for name in sorted(names):
+            fused = table[name].fused
+            shards = tuple(s for s in fused if s in names)
+            if len(shards) < 2 or fused in seen:
+                continue
+            seen.add(fused)
+            quant = tuple(s for s in shards if f"{parent}.{s}" in fp8)
+            if quant and len(quant) < len(shards):
+                out.append((parent, quant, tuple(s for s in shards if s not in quant)))
+    return out
+
+
+def fused_refusals(config: Mapping[str, Any] | None, fp8: Collection[str], modules: Iterable[str],
+                   release: Release) -> list[tuple[str, str]]:
+    """verify --serving's (problem, where) for each mixed fusion (``mixed_fusions``): silent wrong
+    values, at every TP."""
+    _, table = _table(config)
+    out = []
+    for parent, quant, other in mixed_fusions(config, fp8, modules):
+        cites = [release.cite("fp8.fused-mixed")]
+        if "b_proj" in table[quant[0]].fused:
+            cites.insert(0, release.cite("fp8.ling.kda-fused"))
+        out.append((f"{parent}.{'+'.join(quant + other)}: vLLM fuses these into one layer, unquantized because "
+                    f"{', '.join(other)} {'is' if len(other) == 1 else 'are'} not in the FP8 group, and loads the "
+                    f"e4m3 values of {', '.join(quant)} with their weight_scale dropped (silently wrong weights)",
+                    "; ".join(cites)))
+    return out
+
+
+def bf16_modules(config: Mapping[str, Any] | None, fp8: Collection[str], modules: Iterable[str]) -> set[str]:
+    """The FP8 linears the converter writes as bf16 so that vLLM's fused layer is consistently
+    unquantized: the FP8 shards of every mixed fusion."""
+    return {f"{parent}.{s}" for parent, quant, _ in mixed_fusions(config, fp8, modules) for s in quant}
+
+
+def refused_modules(config: Mapping[str, Any] | None, shapes: Mapping[str, tuple[int, int]],
+                    block: tuple[int, int] | None, topo: Topology, release: Release) -> set[str]:
+    """The checkpoint names of every FP8 linear in a layer ``refusals`` names at ``topo`` (each
+    shard of a refused fused layer): written as bf16 they load there (``--fp8-bf16-at-tp``)."""
+    out = set()
+    for layer, _, _ in refusals(config, shapes, block, topo, release):
+        parent, _, names = layer.rpartition(".")
+        out |= {f"{parent}.{n}" for n in names.split("+")}
+    return out
 
 
 def _layer(module: str) -> int | None:
@@ -127,18 +185,18 @@ def _partitions(kind: str, shards: list[tuple[str, int]], tp: int, kv: int | Non
 
 
 def refusals(config: Mapping[str, Any] | None, shapes: Mapping[str, tuple[int, int]], block: tuple[int, int] | None,
-             topo: Topology) -> list[tuple[str, str, str]]:
+             topo: Topology, release: Release) -> list[tuple[str, str, str]]:
     """(vLLM layer, short problem, where) for every FP8 block linear whose per-rank sizes vLLM's
     compressed-tensors FP8 scheme refuses at ``topo`` (its TP group: linears see TP only, never DP).
     ``shapes``: the FP8 group's modules (checkpoint names) -> weight [out, in]; ``block``: [block_n, block_k]."""
+    text, table = _table(config)
     config = dict(config or {})
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     types = [t for t in (config.get("model_type"), text.get("model_type")) if isinstance(t, str)]
-    table = next((LINEARS[t] for t in types if t in LINEARS), None)
     kv_of = next((KV_HEADS[t] for t in types if t in KV_HEADS), None)
     if table is None or block is None:
         return []
     bn, bk, tp = block[0], block[1], topo.tp
+    divide, validate = release.cite("fp8.divide"), release.cite("fp8.validate")
     out, done = [], set()
     for module in sorted(shapes):
         parent, _, name = module.rpartition(".")
@@ -156,17 +214,17 @@ def refusals(config: Mapping[str, Any] | None, shapes: Mapping[str, tuple[int, i
         if kind == "row":
             inp = shapes[module][1]
             if inp % tp:
-                out.append((layer, f"input {inp} not divisible by TP {tp}", DIVIDE))
+                out.append((layer, f"input {inp} not divisible by TP {tp}", divide))
             elif tp > 1 and (inp // tp) % bk:
                 out.append((layer, f"per-rank input {inp}/{tp}={inp // tp} is not whole {bk}-blocks",
-                            f"{spec.where}; {VALIDATE}"))
+                            f"{release.cite(spec.cite)}; {validate}"))
             continue
         if kind == "replicated":
             continue
         kv = kv_of(text, _layer(module) or 0) if kind == "qkv" and kv_of else None
         got = _partitions(kind, [(s, shapes[f"{parent}.{s}"][0]) for s in group], tp, kv)
         if isinstance(got, str):
-            out.append((layer, got, DIVIDE))
+            out.append((layer, got, divide))
             continue
         parts, split = got
         merged = len(parts) > 1
@@ -175,7 +233,7 @@ def refusals(config: Mapping[str, Any] | None, shapes: Mapping[str, tuple[int, i
         if bad:
             what = ", ".join(f"{s} {p}" for s, p in bad)
             per = "per-rank output" if split else "output"
-            out.append((layer, f"{per} {what} not whole {bn}-blocks", f"{spec.where}; {VALIDATE}"))
+            out.append((layer, f"{per} {what} not whole {bn}-blocks", f"{release.cite(spec.cite)}; {validate}"))
     return out
 
 

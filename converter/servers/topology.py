@@ -1,40 +1,20 @@
-"""How vLLM 0.33.0 splits a MoE model over ranks: TP, DP, EP and PP, as its released code does it.
+"""How vLLM splits a MoE model over ranks: TP, DP, EP and PP, as its released code does it.
 
-Pure arithmetic, no vLLM import, so `verify --serving` can say what each rank holds. Every rule
-cites the vLLM 0.33.0 wheel (``vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl``) file and line:
-
-- ``fused_moe/config.py`` 1198-1201: expert parallelism is on when ``--enable-expert-parallel``
-  is given and dp * pcp * tp > 1.
-- 1106-1114, 1211-1225 (``make``, called from ``fused_moe/layer.py`` 47-67 with the TP
-  and DP group sizes): without EP the MoE's TP is flattened across DP: tp_size = dp * tp, so the
-  experts' intermediate dim is split dp * tp ways (every rank holds every expert).
-- 1228-1245: with EP, ep_size = dp * tp and the MoE's tp_size is 1: every rank holds whole
-  experts, ``num_experts / ep_size`` of them.
-- ``fused_moe/expert_map_manager.py`` 66-69: experts are dealt out evenly, the first
-  ``num_experts % ep_size`` ranks get one more.
-- 1035-1038 (``use_all2all_kernels``): EP with DP > 1 dispatches tokens through an all2all
-  backend (``allgather_reducescatter`` by default, ``config/parallel.py`` 220).
-- ``distributed/utils.py`` 225-230 (``get_pp_indices``): PP cuts ``num_hidden_layers`` into
-  equal stages, the remainder going one each to the stages before the last.
-- Attention layers, and Kimi's ``KimiMoE`` padding, see only the TP group
-  (``get_tensor_model_parallel_world_size``), never DP.
+Pure arithmetic, no vLLM import, so `verify --serving` can say what each rank holds. Each rule is
+cited by the release's ``split.*`` keys (``releases/``): EP is on when --enable-expert-parallel is
+given and dp * tp > 1 (``split.ep``); without EP the MoE's TP is flattened across DP, tp_size =
+dp * tp, and every rank holds every expert (``split.tp``); with EP, ep_size = dp * tp, the MoE's
+tp_size is 1 and experts are dealt out evenly, the first ``num_experts % ep_size`` ranks one more
+(``split.experts``); EP with DP > 1 dispatches tokens through an all2all backend
+(``split.all2all``); PP cuts ``num_hidden_layers`` into equal stages, the remainder one each to
+the stages before the last (``split.pp``). Attention layers, and Kimi's ``KimiMoE`` padding, see
+only the TP group, never DP.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-V_CFG = "vllm 0.33.0 fused_moe/config.py"
-WHERE = {
-    "ep": f"{V_CFG} 1198-1201 (EP on when --enable-expert-parallel and dp*tp > 1), 1228-1245 "
-          f"(ep_size = dp*tp, MoE tp_size 1)",
-    "tp": f"{V_CFG} 1106-1114 and 1211-1225 (no EP: the MoE's tp_size = dp*tp)",
-    "experts": "vllm 0.33.0 fused_moe/expert_map_manager.py 66-69 (num_experts // ep_size, the first "
-               "num_experts % ep_size ranks one more)",
-    "all2all": f"{V_CFG} 1035-1038 (use_all2all_kernels: EP and DP > 1); backend allgather_reducescatter "
-               f"by default (config/parallel.py 220)",
-    "pp": "vllm 0.33.0 distributed/utils.py 225-230 (get_pp_indices: equal stages, the remainder to "
-          "the stages before the last)",
-}
+SPLITS = ("ep", "tp", "experts", "all2all", "pp")     # the release's citation keys are split.<name>
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,155 @@
+"""What k3convert asks of the Hub, through huggingface_hub only: one commit's file list with each
+file's size and LFS SHA-256, a shard's safetensors header by a range request, small files, and a
+whole shard (``hf_hub_download``: resumable, hf_xet where installed) checked against its SHA-256.
+
+Every call names the commit resolved once (``resolve``), never a branch: a branch that moves
+during a run cannot mix two revisions. Hub errors become one line (BadInput: the repo, revision
+or file is not there or not allowed; OutputError: the Hub cannot be reached).
+
+The header is fetched as bytes (the same two range requests ``get_safetensors_metadata`` makes,
+first 100 kB then the rest) rather than as that function's parsed result: our own strict parser
+(converter.formats.safetensors_io) must judge the untrusted bytes, and the conversion's
+absolute offsets depend on the header's exact length.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import BadInput, OutputError
+from .formats.safetensors_io import MAX_HEADER
+from .hub_source import HubSource
+
+FIRST_RANGE = 100_000  # bytes asked for first, as huggingface_hub's get_safetensors_metadata does
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    name: str
+    size: int
+    sha256: str | None   # the LFS SHA-256 (None: a small file kept in git)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One commit of a repository, as listed by the Hub."""
+
+    source: HubSource
+    commit: str
+    files: dict[str, RemoteFile]
+
+    @property
+    def label(self) -> str:
+        return f"{self.source.repo}@{self.commit}"
+
+
+def endpoint() -> str | None:
+    """HF_ENDPOINT as it is now (huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def _hub_error(e: BaseException, what: str) -> Exception:
+    from huggingface_hub import errors as hfe
+    name = type(e).__name__
+    if isinstance(e, hfe.GatedRepoError):
+        return BadInput(f"gated repository: accept its terms on the Hub and log in (hf auth login or HF_TOKEN)", file=what)
+    if isinstance(e, hfe.RepositoryNotFoundError):
+        return BadInput("no such repository on the Hub (or it is private: log in with hf auth login or HF_TOKEN)",
+                        file=what)
+    if isinstance(e, hfe.RevisionNotFoundError):
+        return BadInput("no such revision in the repository", file=what)
+    if isinstance(e, hfe.EntryNotFoundError):
+        return BadInput("no such file in the repository at this commit", file=what)
+    if isinstance(e, hfe.HfHubHTTPError):
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        return OutputError(f"the Hub answered HTTP {status}: {str(e).splitlines()[0][:200]}", file=what)
+    if isinstance(e, OSError) or "Connect" in name or "Timeout" in name or "Network" in name:
+        return OutputError(f"cannot reach the Hub ({endpoint() or 'huggingface.co'}): {str(e).splitlines()[0][:200] or name}"
+                           "; run the same command again to resume", file=what)
+    return OutputError(f"{name}: {str(e).splitlines()[0][:200] if str(e) else ''}", file=what)
+
+
+def resolve(source: HubSource, token: str | None = None) -> Snapshot:
+    """The commit ``source`` names now, and every file of it with its size and LFS SHA-256."""
+    from huggingface_hub import HfApi
+    try:
+        info = HfApi(endpoint=endpoint(), token=token).model_info(source.repo, revision=source.revision,
+                                                                   files_metadata=True)
+    except Exception as e:  # huggingface_hub and httpx errors, turned into one line
+        raise _hub_error(e, str(source)) from None
+    if not isinstance(info.sha, str) or len(info.sha) != 40:
+        raise BadInput(f"the Hub gave no commit id for it ({info.sha!r})", file=str(source))
+    files = {}
+    for s in info.siblings or []:
+        size = s.lfs.size if s.lfs else s.size
+        if not isinstance(size, int) or size < 0:
+            raise BadInput("the Hub lists no size for it", file=f"{source.repo}/{s.rfilename}")
+        files[s.rfilename] = RemoteFile(s.rfilename, size, s.lfs.sha256 if s.lfs else None)
+    return Snapshot(source, info.sha, files)
+
+
+def _get_range(snap: Snapshot, name: str, start: int, end: int, token: str | None) -> bytes:
+    """Bytes [start, end] of a file of the commit (huggingface_hub's session, headers and errors)."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+    url = hf_hub_url(snap.source.repo, name, revision=snap.commit, endpoint=endpoint())
+    headers = {**build_hf_headers(token=token), "Range": f"bytes={start}-{end}"}
+    try:
+        r = get_session().get(url, headers=headers, follow_redirects=True)
+        hf_raise_for_status(r)
+    except Exception as e:
+        raise _hub_error(e, f"{snap.label}/{name}") from None
+    return r.content
+
+
+def header_bytes(snap: Snapshot, name: str, token: str | None = None) -> bytes:
+    """A shard's 8-byte length and JSON header, exactly as the file holds them."""
+    size = snap.files[name].size
+    where = f"{snap.label}/{name}"
+    if size < 8:
+        raise BadInput(f"{size} bytes: too short for a safetensors file", file=where)
+    first = _get_range(snap, name, 0, min(size, FIRST_RANGE) - 1, token)
+    if len(first) < 8:
+        raise BadInput("the Hub returned fewer bytes than asked for", file=where)
+    n = struct.unpack("<Q", first[:8])[0]
+    if n > MAX_HEADER or 8 + n > size:
+        raise BadInput(f"header length {n:,} exceeds the limit or the file's {size:,} bytes", file=where)
+    if len(first) < 8 + n:
+        first += _get_range(snap, name, len(first), 8 + n - 1, token)
+    if len(first) < 8 + n:
+        raise BadInput("the Hub returned fewer bytes than asked for", file=where)
+    return first[: 8 + n]
+
+
+def download(snap: Snapshot, name: str, cache_dir: str, token: str | None = None) -> str:
+    """The file, in the HF cache layout under ``cache_dir`` (resumed where a run left it): its path."""
+    from huggingface_hub import hf_hub_download
+    try:
+        return hf_hub_download(snap.source.repo, name, revision=snap.commit, cache_dir=cache_dir,
+                               endpoint=endpoint(), token=token)
+    except Exception as e:
+        raise _hub_error(e, f"{snap.label}/{name}") from None
+
+
+def sha256_of(path: str, chunk: int = 8 << 20, progress: Callable[[int], None] | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            h.update(data)
+            if progress:
+                progress(len(data))
+    return h.hexdigest()
+
+
+def check(snap: Snapshot, name: str, path: str) -> None:
+    """Refuse a downloaded file whose size or SHA-256 is not what the commit lists (BadInput)."""
+    want = snap.files[name]
+    size = os.path.getsize(path)
+    if size != want.size:
+        raise BadInput(f"downloaded {size:,} bytes, the Hub lists {want.size:,}: not converted", file=f"{snap.label}/{name}")
+    if want.sha256 is not None and (got := sha256_of(path)) != want.sha256:
+        raise BadInput(f"SHA-256 {got} differs from the Hub's {want.sha256}: not converted (the download was "
+                       "removed; run again to fetch it anew)", file=f"{snap.label}/{name}")

@@ -1,0 +1,182 @@
+"""What the routed experts cost a rank: bytes as stored and dequantized, at a vLLM topology.
+
+vLLM's KimiMoE pads a small per-rank intermediate size (``kimi_fused``); EP deals whole experts,
+otherwise the MoE's TP splits each expert; PP gives each stage its layers (topology.py).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from ..vllm_plugin import route as plugin_route
+from ..formats.safetensors_io import TensorInfo
+from .headers import W123_MODELS, Matrix, config_size, model_types
+from .topology import Topology, local_experts, pp_stages
+
+_ITEMSIZE = {"I32": 4, "BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I64": 8}
+
+
+def _nbytes(info) -> int:
+    n = _ITEMSIZE.get(info.dtype, 1)
+    for d in info.shape:
+        n *= d
+    return n
+
+
+
+_LAYER_NO = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The routed experts as the headers give them, all ranks together, per MoE layer: expert count
+    and bytes (int4 + scales as stored; bf16 dequantized), and the model's decoder layer count."""
+
+    sizes: Mapping[str, tuple[int, int]]
+    count: Mapping[str, int]
+    int4: Mapping[str, int]
+    bf16: Mapping[str, int]
+    num_layers: int
+
+
+def experts_of(mats: list[Matrix], sizes: Mapping[str, tuple[int, int]], config: dict | None) -> Experts:
+    """One pass over the headers (K3: 247,296 matrices); the per-topology figures are then per layer."""
+    ids: dict[str, set[int]] = {}
+    int4: dict[str, int] = {}
+    bf16: dict[str, int] = {}
+    for m in mats:
+        p, shape = m.expert, m.shape
+        if p is None or p[0] not in sizes or shape is None:
+            continue
+        ids.setdefault(p[0], set()).add(p[1])
+        int4[p[0]] = int4.get(p[0], 0) + _nbytes(m.packed) + (_nbytes(m.scale) if m.scale is not None else 0)
+        bf16[p[0]] = bf16.get(p[0], 0) + shape[0] * shape[1] * 2
+    stated = config_size(config, "num_hidden_layers")
+    numbers = [int(g[1]) for layer in sizes if (g := _LAYER_NO.search(layer))]
+    layers = stated[1] if stated else max(numbers, default=0) + 1
+    return Experts(dict(sizes), {k: len(v) for k, v in ids.items()}, int4, bf16, max(layers, 1))
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The routed experts' bytes on the fullest rank: as stored (int4 + scales) and dequantized to bf16."""
+
+    int4: int
+    bf16: int
+    layers: int              # MoE layers on that rank (its pipeline stage)
+    all_layers: int
+    local: int               # experts a rank holds (of the largest layer)
+    experts: int
+    per_rank_inter: int      # intermediate channels a rank holds per expert (KimiMoE's padding included)
+    inter: int
+    padded: bool = False     # KimiMoE padded the intermediate dim
+
+    def text(self) -> str:
+        return f"{self.bf16 / 1e9:.3g} GB per rank bf16 (int4 as stored: {self.int4 / 1e9:.3g} GB)"
+
+    def split(self) -> str:
+        """What a rank holds, in one phrase."""
+        pad = " (padded)" if self.padded else ""
+        return (f"{self.local}/{self.experts} experts x {self.per_rank_inter}{pad} of {self.inter} intermediate, "
+                f"{self.layers}/{self.all_layers} MoE layers")
+
+
+def kimi_fused(inter: int, tp: int, minimum: int) -> int:
+    """The intermediate size vLLM's KimiMoE gives its FusedMoE: ``minimum * tp`` when inter / tp is
+    below ``minimum`` at TP > 1 (models/kimi_k3/amd/linear.py 227-236, the TP group only), else inter."""
+    padded = plugin_route.kimi_padded(inter, tp, minimum) if minimum else None
+    return padded[1] * tp if padded else inter
+
+
+def expert_memory(experts: Experts, topo: Topology, kimi_min: int = 0) -> Memory:
+    """The fullest rank's routed experts: EP deals whole experts over dp*tp ranks, else the MoE's TP
+    (dp*tp) splits each expert's intermediate dim; PP gives each stage its layers (topology.py)."""
+    stages = pp_stages(experts.num_layers, topo.pp)
+    totals = [[0.0, 0.0, 0] for _ in stages]
+    local = n = per_rank = inter_max = 0
+    padded = False
+    for layer, (inter, _) in sorted(experts.sizes.items()):
+        if layer not in experts.count:
+            continue
+        g = _LAYER_NO.search(layer)
+        stage = next((i for i, r in enumerate(stages) if g and int(g[1]) in r), len(stages) - 1)
+        e = experts.count[layer]
+        held = local_experts(e, topo.ep_size)
+        fused = kimi_fused(inter, topo.tp, kimi_min)
+        rank_inter = fused // topo.moe_tp
+        padded |= fused != inter
+        share = held / e * rank_inter / inter
+        t = totals[stage]
+        t[0] += experts.int4[layer] * share
+        t[1] += experts.bf16[layer] * share
+        t[2] += 1
+        if e >= n:
+            local, n, per_rank, inter_max = held, e, rank_inter, inter
+    int4, bf16, layers = max(totals, key=lambda t: t[0])
+    return Memory(round(int4), round(bf16), layers, sum(t[2] for t in totals), local, n, per_rank, inter_max,
+                  padded)
+
+
+def kimi_min_per_rank(config: dict | None) -> int:
+    """vLLM KimiMoE's minimum per-rank intermediate size for a Kimi checkpoint, 0 for other models."""
+    if not model_types(config) & set(W123_MODELS):
+        return 0
+    return plugin_route.kimi_min_per_rank(plugin_route.text_config(config or {}))
+
+
+def kimi_padding(sizes: Mapping[str, tuple[int, int]], tp: int, minimum: int) -> list[tuple[str, tuple[int, int]]]:
+    """(layer, (real per-rank intermediate, padded)) for every MoE layer vLLM's KimiMoE pads at ``tp``."""
+    if not minimum:
+        return []
+    return [(layer, padded) for layer, (inter, _) in sorted(sizes.items())
+            if (padded := plugin_route.kimi_padded(inter, tp, minimum))]
+
+
+GIB = 1 << 30
+# the GPUs a ROCm launch is checked against: MI300X and MI325X, 8 HBM stacks of 24 and 32 GiB
+ROCM_GPUS = {"MI300X": 192 * GIB, "MI325X": 256 * GIB}
+UTILIZATION = 0.9          # vLLM's --gpu-memory-utilization default
+
+
+def rest_bytes(tensors: Mapping[str, TensorInfo], mats: list[Matrix]) -> int:
+    """Every weight that is not a routed expert's int4 words, scales or shape: attention, dense and
+    shared MLPs, embeddings, norms, the router, the vision tower."""
+    experts = {m.module for m in mats if m.expert is not None}
+    return sum(_nbytes(info) for name, info in tensors.items() if name.rpartition(".")[0] not in experts)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Whether one rank's weights fit each GPU at a memory utilization, and what is left for the KV cache."""
+
+    experts: int             # bytes of routed experts on the fullest rank
+    rest: int                # bytes of the other weights per rank (split evenly by TP and PP)
+    utilization: float
+    gpus: Mapping[str, int]  # GPU name -> bytes
+
+    @property
+    def weights(self) -> int:
+        return self.experts + self.rest
+
+    def left(self, gpu: str) -> float:
+        """Bytes left for the KV cache and activations (negative: does not fit)."""
+        return self.gpus[gpu] * self.utilization - self.weights
+
+    @property
+    def fits_any(self) -> bool:
+        return any(self.left(g) >= 0 for g in self.gpus)
+
+    def text(self) -> str:
+        per = (f"weights per rank {self.weights / 1e9:.3g} GB (experts {self.experts / 1e9:.3g}, the rest "
+               f"{self.rest / 1e9:.3g})")
+        each = [f"{g} {b / GIB:g} GiB x {self.utilization:g}: " +
+                (f"{self.left(g) / 1e9:.3g} GB left for the KV cache" if self.left(g) >= 0 else
+                 f"does not fit ({-self.left(g) / 1e9:.3g} GB short)") for g, b in self.gpus.items()]
+        return f"{per}; {'; '.join(each)}"
+
+
+def fit(experts: int, rest: int, topo: Topology, gpus: Mapping[str, int], utilization: float) -> Fit:
+    """The fullest rank: its experts (expert_memory) and an even TP x PP share of the other weights
+    (vLLM splits linears and the vocabulary by TP and layers by PP; replicated norms are ignored)."""
+    return Fit(experts, rest // (topo.tp * topo.pp), utilization, dict(gpus))
