@@ -1,6 +1,7 @@
 """The ``k3convert`` command: a thin layer over converter.pipeline and friends."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -11,13 +12,26 @@ import click
 
 from . import __version__, jobfile
 from .errors import BadInput, ConvertError, OutputError
-from .manifest import REPORT
-from .profiles import MAX_EXPERTS
-from .quant.rules import RULES as SCALE_RULES
 from .failure import params_in, report, stream_for
-from .progress import (ETA_AFTER_S, QUIET_ENV, Progress as _Progress, eta, human_bytes, human_seconds,  # noqa: F401
-                       Status, human_sizes, interactive, libraries_quiet, rate_line, say, set_quiet)
+from .profiles import MAX_EXPERTS
+from .progress import (  # noqa: F401
+    ETA_AFTER_S,
+    QUIET_ENV,
+    Progress as _Progress,
+    Status,
+    eta,
+    human_bytes,
+    human_seconds,
+    human_sizes,
+    interactive,
+    libraries_quiet,
+    rate_line,
+    say,
+    set_quiet,
+)
+from .quant.rules import DEFAULT as DEFAULT_RULE, RULES as SCALE_RULES
 from .servers.rules import SERVERS
+from .state.files import REPORT
 from .suggest import unknown_command
 
 
@@ -71,6 +85,7 @@ class _Source(click.Path):
     (converter.hub_source.HubSource); neither: click's own "does not exist" line."""
 
     name = "SRC|ORG/NAME[@REV]"
+    hub_ok = True   # a job file's src that names no path beside it stays a repo id (jobfile.load)
 
     def __init__(self, **kw):
         super().__init__(exists=True, **kw)
@@ -129,7 +144,8 @@ class _Main(click.Group):
             return super().main(args, prog_name, complete_var, False, **extra)
         from .fastexit import exit_status
         from .streams import Guard
-        self.k3_command, code = None, 0
+        self.k3_command = None
+        code: int | str | None = 0
         with Guard() as out:  # output that cannot be written (a closed pipe, a full disk): one line (T10)
             try:
                 self._standalone(args, prog_name, complete_var, **extra)
@@ -142,7 +158,7 @@ class _Main(click.Group):
             rv = super().main(args, prog_name, complete_var, False, **extra)
         except click.ClickException as e:  # usage errors: 2; as JSON where the command prints JSON
             typed = params_in(sys.argv[1:] if args is None else args)
-            how = stream_for({**typed, **(e.ctx.params if getattr(e, "ctx", None) else {})})
+            how = stream_for({**typed, **(ctx.params if (ctx := getattr(e, "ctx", None)) else {})})
             report(" ".join(e.format_message().split()), e.exit_code, how)
             sys.exit(e.exit_code)
         except click.Abort:
@@ -201,11 +217,13 @@ def main(ctx: click.Context) -> None:
 @click.option("--drop-activation-quant", is_flag=True,
               help="Convert a source that also quantizes activations (or KV cache) to weight-only int4; "
                    "what is dropped is recorded in the manifest and report.")
-@click.option("--scale-rule", type=click.Choice(list(SCALE_RULES)), default="optimal", show_default=True,
+@click.option("--scale-rule", type=click.Choice([str(r) for r in SCALE_RULES]), default=str(DEFAULT_RULE),
+              show_default=True,
               help="optimal: the exact least-squares int4 per group, right for MI300X/MI325X too (an aiter that "
                    "misreads code -8 is found by the plugin's load-time self-test, which re-optimizes those groups "
                    "over [-7, 7]); optimal-pm7: the same over codes [-7, 7] (no -8: nothing to redo at load); "
-                   "vllm-gfx942: bit-identical to what vLLM 0.33 computes at load time on gfx942 (aiter per_1x32_i4_quant; README: Which scale rule).")
+                   "vllm-gfx942: bit-identical to what vLLM (0.33, 0.34) computes at load time on gfx942 "
+                   "(aiter per_1x32_i4_quant; README: Which scale rule).")
 @click.option("--fp8-bf16-at-tp", "fp8_bf16_tp", type=_Whole(min=1), default=None,
               help="An FP8 source (MiMo-V2, Ling-3): write as bf16 the FP8 linears (with their fused siblings) that "
                    "vLLM's compressed-tensors FP8 scheme refuses at this TP size, so the output loads there; their "
@@ -228,7 +246,6 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, workers_per_gpu, sam
     (DST not usable, locked, disk full), 130 interrupted (run again to resume), 1 other.
     """
     from .pipeline import Options, convert, default_dst, describe
-    from .validate import format_table, ratio_line
 
     opts = Options(max_rel_rmse=max_rel_rmse, sample_experts=sample_experts, workers=workers,
                    workers_per_gpu=workers_per_gpu,
@@ -239,17 +256,24 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, workers_per_gpu, sam
     from .hub_source import HubSource
     if isinstance(src, HubSource):
         return _from_hub(src, dst, opts, bar, progress, dry_run, cache_dir, ahead, keep_source)
-    try:
+    with _reported(bar):
         if dry_run:
             if progress == "bar" and interactive():
                 say(f"reading the shard headers of {src}…")
             plan = opts.plan(src)
-            info = describe(plan, dst or default_dst(plan.src), opts)
-            click.echo(json.dumps(info, indent=2) if progress == "json" else "\n".join(
-                f"{k:>28}: {v}" for k, v in human_sizes(info).items()))
+            _show_plan(describe(plan, dst or default_dst(plan.src), opts), progress)
             return
         bar.start()
         summary = convert(src, dst, opts, bar)
+    _finished(summary, progress)
+
+
+@contextlib.contextmanager
+def _reported(bar):
+    """A conversion's errors and Ctrl-C as the CLI reports them (one line, the exit code), the bar
+    closed first whatever happens."""
+    try:
+        yield
     except ConvertError as e:
         bar.close()
         _fail(e)
@@ -258,28 +282,23 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, workers_per_gpu, sam
         click.echo("k3convert: interrupted; run the same command again to resume", err=True)
         sys.exit(130)
     bar.close()
-    _finished(summary, progress)
+
+
+def _show_plan(info: dict, progress: str) -> None:
+    """--dry-run's answer: JSON with --progress json, else one aligned line per item."""
+    click.echo(json.dumps(info, indent=2) if progress == "json" else "\n".join(
+        f"{k:>28}: {v}" for k, v in human_sizes(info).items()))
 
 
 def _from_hub(src, dst, opts, bar, progress, dry_run, cache_dir, ahead, keep_source) -> None:
     """mxfp4-to-int4 of a Hub repo id: look (--dry-run) or convert while downloading (converter.hub_convert)."""
     from . import hub_convert
-    try:
+    with _reported(bar):
         if dry_run:
-            info = hub_convert.describe(src, dst, opts, cache_dir or hub_convert.default_cache(), ahead)
-            click.echo(json.dumps(info, indent=2) if progress == "json" else "\n".join(
-                f"{k:>28}: {v}" for k, v in human_sizes(info).items()))
+            _show_plan(hub_convert.describe(src, dst, opts, cache_dir or hub_convert.default_cache(), ahead), progress)
             return
         bar.start()
         res = hub_convert.convert(src, dst, opts, bar, cache_dir, ahead, keep_source)
-    except ConvertError as e:
-        bar.close()
-        _fail(e)
-    except KeyboardInterrupt:
-        bar.close()
-        click.echo("k3convert: interrupted; run the same command again to resume", err=True)
-        sys.exit(130)
-    bar.close()
     say(f"fetched {res.fetched} shard(s) of {src.repo}@{res.commit}; peak staging "
         f"{res.peak_staging_bytes / 1e9:.3f} GB; {'kept in' if keep_source else 'removed from'} the cache")
     _finished(res.summary, progress)
@@ -301,7 +320,8 @@ def _finished(summary, progress: str) -> None:
     state = "complete" if summary.complete else \
         f"{summary.shards_done}/{summary.shards_total} shards done (the run that converts the last one completes DST)"
     bf16 = f" (+{summary.bf16} non-expert MXFP4 module(s) as exact bf16)" if summary.bf16 else ""
-    click.echo(f"{state}: {summary.tensors} tensors{bf16}; {rate_line(summary.bytes_in, summary.seconds)} -> {summary.dst}")
+    click.echo(f"{state}: {summary.tensors} tensors{bf16}; "
+               f"{rate_line(summary.bytes_in, summary.seconds)} -> {summary.dst}")
     if summary.status != "partial":
         click.echo(f"report: {os.path.join(summary.dst, REPORT)}")
 
@@ -327,19 +347,24 @@ DEMO_CHECK = f"--serving {DEMO_SERVER} --tp {DEMO_TP} --ep"
 
 @main.command("make-fixture")
 @click.argument("dst", type=click.Path(file_okay=False))
-@click.option("--layers", type=_Whole(min=2), default=4, show_default=True, help="Layers (layer 0 dense, the rest MoE).")
+@click.option("--layers", type=_Whole(min=2), default=4, show_default=True,
+              help="Layers (layer 0 dense, the rest MoE).")
 @click.option("--experts", type=_Whole(min=1), default=8, show_default=True)
 @click.option("--shards", type=_Whole(min=1), default=3, show_default=True)
 @click.option("--real-dims", is_flag=True, help="Real K3 expert shapes: w1/w3 [3072, 3584], w2 [3584, 3072].")
 @click.option("--demo-dims", is_flag=True,
-              help="demo's shape, w1/w3 [2048, 256]: the smallest whose conversion passes " + DEMO_CHECK + ".")
+              help="demo's shape, w1/w3 [2048, 128]: the smallest whose conversion passes " + DEMO_CHECK + ".")
 @click.option("--seed", type=_Whole(min=0), default=0, show_default=True)
+@click.option("--draw", type=click.Choice(["weights", "groups"]), default=None,
+              help="weights: encode Student-t weights (the bytes of fixtures before issue 33); groups: sample "
+                   "groups of one encoded pool, same histograms, ~10x faster [default: groups with --real-dims "
+                   "or --demo-dims, else weights].")
 @click.option("--device", default="cpu", show_default=True, help="Where to draw the weights (cuda: much faster).")
 @click.option("--keep-modules", is_flag=True,
               help="Cut shards only between modules [default: by size, as Hugging Face writers do, so pairs straddle].")
 @click.option("--model-type", type=click.Choice(["kimi_k3", "kimi_k31"]), default="kimi_k3", show_default=True,
               help="kimi_k31: Kimi K3.1's config (its DSA block) around the same experts.")
-def make_fixture_cmd(dst, layers, experts, shards, real_dims, demo_dims, seed, device, keep_modules,
+def make_fixture_cmd(dst, layers, experts, shards, real_dims, demo_dims, seed, draw, device, keep_modules,
                      model_type) -> None:
     """Write a small Kimi-K3-shaped MXFP4 checkpoint to DST."""
     from .progress import bar, close_bar
@@ -354,10 +379,10 @@ def make_fixture_cmd(dst, layers, experts, shards, real_dims, demo_dims, seed, d
     dims = "real-dims " if real_dims else "demo-dims " if demo_dims else ""
     say(f"writing a {dims}Kimi-K3-shaped MXFP4 fixture ({layers} layers, "
         f"{experts} experts, {shards} shards) to {dst}; loading torch…")
-    from .fixture import FixtureSpec, fixture_bytes, make_fixture
+    from .fixture import Draw, FixtureSpec, fixture_bytes, make_fixture
 
     kw = {"layers": layers, "experts": experts, "shards": shards, "seed": seed, "keep_modules": keep_modules,
-          "model_type": model_type}
+          "model_type": model_type, **({"draw": Draw(draw)} if draw else {})}
     spec = FixtureSpec.real_dims(**kw) if real_dims else FixtureSpec.demo(**kw) if demo_dims else FixtureSpec(**kw)
     b = bar(total=fixture_bytes(spec), desc="fixture", unit="B", unit_scale=True, unit_divisor=1000)
     try:
@@ -422,8 +447,10 @@ def demo(ctx, workdir, keep) -> None:
 @click.option("--source", "src", type=click.Path(), default=None,
               help="The MXFP4 source: recompute every file DST must hold from it, and re-decode sampled experts "
                    "from its bytes against the recorded figures.")
-@click.option("--sample", type=_Whole(min=0), default=8, show_default=True, help="Converted tensors to re-decode (with --source).")
-@click.option("--all", "all_", is_flag=True, help="Re-decode every converted tensor (with --source; slow on the real model).")
+@click.option("--sample", type=_Whole(min=0), default=8, show_default=True,
+              help="Converted tensors to re-decode (with --source).")
+@click.option("--all", "all_", is_flag=True,
+              help="Re-decode every converted tensor (with --source; slow on the real model).")
 @click.option("--no-checksums", is_flag=True, help="Skip hashing the shards (structure checks only).")
 @click.option("--serving", type=click.Choice(SERVERS), default=None,
               help="Also check DST against that server and target: what it loads, the MoE kernel it "
@@ -453,10 +480,9 @@ def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, dp, pp, ep, gp
 
     Exit 0 when every check passes, 5 when one fails, 2 when DST or SRC cannot be read."""
     from .checks import check_lines, header
-    from .verify import verify
-
     from .servers.rules import ServingRequest
     from .servers.topology import Topology
+    from .verify import verify
 
     if (tp != 1 or dp != 1 or pp != 1 or ep or verbose or vllm_version or gpu_memory is not None
             or utilization != 0.9) and serving is None:
@@ -469,6 +495,15 @@ def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, dp, pp, ep, gp
                                            gpu_memory=gpu_memory, utilization=utilization)
         except ValueError as e:
             raise click.UsageError(str(e)) from None
+    from .hub_source import HubSource, meant_for_hub, parse_source
+    if src is not None and not os.path.lexists(src) and meant_for_hub(src):  # ORG/NAME@COMMIT: the HF cache's copy
+        from .hub_remote import snapshot_path
+        try:
+            hub_src = parse_source(src)
+            assert isinstance(hub_src, HubSource)   # not a local path: lexists said so
+            src = snapshot_path(hub_src)
+        except ConvertError as e:
+            _fail(e)
     stream = not as_json and os.path.isdir(dst)   # a missing DST stays one error line
     if stream:   # the first line at once, each check as it ends: the slow ones (--source, K3's headers) last
         click.echo(header(dst) + (": reading the shard headers…" if serving else ""))
@@ -500,8 +535,8 @@ def inspect_cmd(path, as_json) -> None:
     shards, tensors, quantization configs, SiTU fields, and for a source what converting gives.
 
     Exit 0, or 2 when PATH cannot be read or shards its index names are missing."""
-    from .inspect import format_info, inspect_path, missing_shards
     from .hub_source import HubSource
+    from .inspect import format_info, inspect_path, missing_shards
 
     try:
         if isinstance(path, HubSource):

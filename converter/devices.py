@@ -52,7 +52,7 @@ def _read(path: str) -> str | None:
 
 def _number(text: str | None) -> int | None:
     n = whole(text.removeprefix("-")) if text else None   # ASCII digits: "²".isdigit() is True, int("²") fails
-    return None if n is None else -n if text.startswith("-") else n
+    return None if n is None or text is None else -n if text.startswith("-") else n
 
 
 def cpu_quota(root: str = CGROUP) -> int | None:

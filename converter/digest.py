@@ -101,7 +101,7 @@ class ChunkHasher:
         missing = [i for i, f in enumerate(self._futures) if f is None]
         if missing:
             raise RuntimeError(f"chunks {missing[:4]} were never completely written")
-        return combine([f.result() for f in self._futures])
+        return combine([f.result() for f in self._futures if f is not None])   # none is None: checked above
 
     def cancel(self) -> None:
         """Wait out chunk hashes in flight (their fd is about to close)."""

@@ -41,3 +41,12 @@ class VerifyFailed(ConvertError):
     """A converted checkpoint failed verification (checksums, structure or re-decoded error)."""
 
     exit_code = 5
+
+
+def from_event(f: dict) -> ConvertError:
+    """An error event (a worker's, a fetcher's: ``message``, ``code``, ``file``, ``tensor``) as the
+    exception the CLI turns into its one line and exit code."""
+    kinds: dict[object, type[ConvertError]] = {BadInput.exit_code: BadInput, OutputError.exit_code: OutputError}
+    err = kinds.get(f.get("code"), ConvertError)(f["message"])
+    err.file, err.tensor = f.get("file"), f.get("tensor")
+    return err

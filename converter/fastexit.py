@@ -32,7 +32,8 @@ def leave(code: object) -> NoReturn:
         shutdown()  # its atexit calls (idle thread pools told to stop), then non-daemon threads joined
     if "multiprocessing" in sys.modules:
         from multiprocessing import resource_tracker, util
-        util._exit_function()  # workers joined, queues closed, semaphores released (atexit's job)
+        # private, so absent from typeshed's stubs: workers joined, queues closed, semaphores released (atexit's job)
+        util._exit_function()  # type: ignore[attr-defined]
         stop = getattr(resource_tracker._resource_tracker, "_stop", None)
         if stop is not None:  # the tracker exits now, not after us (Python >= 3.8; private)
             stop()

@@ -5,8 +5,8 @@ as README.source.md (converter.plan) and never published as the int4 model's car
 
 Once DST verifies, the token is checked (``whoami``), before anything is written or hashed.
 Then every file is read once and checked against the manifest's size and digest
-(``converter.publish``), and sent with huggingface_hub's operation API: ``preupload_lfs_files`` uploads the large files (through
-hf_xet where installed, else LFS), the SHA-256 it computed of what it sent is compared with the
+(``converter.publish``), and sent with huggingface_hub's operation API: ``preupload_lfs_files`` uploads the large files
+(through hf_xet where installed, else LFS), the SHA-256 it computed of what it sent is compared with the
 one checked, and only then ``create_commit`` makes one commit; small files are committed from
 the bytes that were checked. Re-running the same command resumes: what the Hub already holds
 is not sent again. (``upload_folder``/``upload_large_folder`` read DST on their own, after any
@@ -24,14 +24,17 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import __version__, publish
+from . import __version__, launches, publish
 from .errors import BadInput, ConvertError, OutputError, VerifyFailed
-from .formats import checkpoint as ckpt
-from .formats import json_input
-from .manifest import MANIFEST, atomic_write, read_json, reading
+from .formats import checkpoint as ckpt, json_input
 from .outputs import accepted, listing
 from .plan import README_SOURCE
 from .safepath import open_regular, read_regular
+from .servers import headers
+from .state.atomic import atomic_write
+from .state.files import MANIFEST
+from .state.locks import reading
+from .state.records import read_json
 from .verify import REPORT, verify
 
 README = "README.md"
@@ -93,7 +96,8 @@ def error_table(report: dict, limit: int = 10) -> str:
             "|---:|---:|---:|---:|---:|---:|"]
     for r in layers[:limit]:
         rows.append(f"| {'-' if r['layer'] is None else r['layer']} | {r['tensors']} | {_fmt(r['rel_rmse_mean'])} "
-                    f"| {_fmt(r['rel_rmse_worst'])} | {_fmt(r['snr_db_worst'], '.2f')} | {_fmt(r.get('out_rel_worst'))} |")
+                    f"| {_fmt(r['rel_rmse_worst'])} | {_fmt(r['snr_db_worst'], '.2f')} "
+                    f"| {_fmt(r.get('out_rel_worst'))} |")
     worst = report.get("worst") or {}
     snr = min((r["snr_db_worst"] for r in layers), default=None)
     head = (f"Overall: {report.get('tensors')} converted tensors, relative RMSE mean "
@@ -129,6 +133,7 @@ def model_card(dst: str, base: str | None = None, repo_id: str | None = None) ->
         front += [f"base_model: {name}", "base_model_relation: quantized"]
     front += ["tags:", "- compressed-tensors", "- int4", "- w4a16", "- k3convert", "---", ""]
     activation, serving_act = activation_section(act)
+    serving = launches.section(*headers.load(dst), repo, custom_tokenizer=_custom_tokenizer(dst))
     source_card = (f"\nThe source model's own card is kept beside this one as `{README_SOURCE}`.\n"
                    if os.path.exists(os.path.join(dst, README_SOURCE)) else "")
     bf16 = [m for m in (manifest.get("source") or {}).get("dequantized") or [] if isinstance(m, str)]
@@ -137,8 +142,9 @@ def model_card(dst: str, base: str | None = None, repo_id: str | None = None) ->
     body = f"""# {name.split('/')[-1]} — int4 (group 32) routed experts
 
 An int4 version of **{name}**: the routed-expert weights, published as MXFP4, requantized to
-int4 with one bf16 scale per 32 weights, in the compressed-tensors `pack-quantized` format that
-vLLM and SGLang load directly. {others} is byte-identical to the source.
+int4 with one bf16 scale per 32 weights, in the compressed-tensors `pack-quantized` format. Which
+servers run it, and with which command, is under *Serving*: each line there was checked against
+this checkpoint. {others} is byte-identical to the source.
 {source_card}
 ## Quantization
 
@@ -149,7 +155,7 @@ vLLM and SGLang load directly. {others} is byte-identical to the source.
 - `quantization_config`: `quant_method: compressed-tensors`, `format: pack-quantized`, stated at {where}
   (every block that described MXFP4 was replaced, top-level and nested; the `ignore` list is kept).
 - Attention, shared experts, router, embeddings, norms, vision tower: unchanged from the source{
-    ' (MXFP4 ones decoded to bf16, exactly)' if bf16 else ''}.
+    ' (MXFP4 ones decoded to bf16, exactly)' if bf16 else ''}.{_fp8_bf16_line(manifest)}
 - Size: {_size(size)} in {len(manifest.get('shards') or {})} shard(s).
 
 {activation}
@@ -172,22 +178,38 @@ random x (sampled experts). Per-tensor figures: `{report.get('tensor_table', 'k3
 
 {error_table(report)}
 
-## Serving (vLLM, SGLang)
+{serving}
+### Any other server
 
-- The server must support this model's architecture (`{config.get('model_type')}`,
+- It must support this model's architecture (`{config.get('model_type')}`,
   {', '.join(config.get('architectures') or []) or '-'}){serving_act}.
 - It must read the quantization config where it sits ({where}) and support
-  compressed-tensors **W4A16 MoE with group size 32, symmetric** (vLLM: the compressed-tensors
-  W4A16 MoE path, Marlin on CUDA; on ROCm gfx942 its W4A16 MoE path).
-- Pass `--trust-remote-code` if the architecture is served from the repository's code, and shard across
-  enough GPUs for {_size(size)} of weights plus KV cache (e.g. `--tensor-parallel-size 8` / `--tp 8`).
-
-```
-vllm serve {repo} --trust-remote-code --tensor-parallel-size 8
-python -m sglang.launch_server --model-path {repo} --trust-remote-code --tp 8
-```
+  compressed-tensors **W4A16 MoE with group size 32, symmetric**, and hold {_size(size)} of weights plus
+  the KV cache across its GPUs.
 """
     return "\n".join(front) + body
+
+
+def _fp8_bf16_line(manifest: dict) -> str:
+    """A card bullet for the FP8 linears written as bf16 (formats/fp8_mxfp4.py ``fp8_to_bf16``), or ''."""
+    rec = (((manifest.get("source") or {}).get("quantization") or {}).get("fp8_to_bf16") or {})
+    mods = [m for m in rec.get("modules") or [] if isinstance(m, str)]
+    if not mods:
+        return ""
+    why = "; ".join(w for w in rec.get("why") or [] if isinstance(w, str))
+    return (f"\n- Except {len(mods)} FP8 linear(s) (e.g. `{mods[0]}`) written as bf16 ({why}): "
+            f"{rec.get('values', '')}.")
+
+
+def _custom_tokenizer(dst: str) -> bool:
+    """Whether DST's tokenizer_config.json maps a class to the repository's code (``auto_map``), which
+    vLLM then loads only with --trust-remote-code. Untrusted: anything unreadable counts as no."""
+    data = _read_regular(os.path.join(dst, "tokenizer_config.json"))
+    try:
+        cfg = json_input.loads(data.decode(), constants=True) if data else None
+    except (ValueError, UnicodeDecodeError):
+        cfg = None
+    return isinstance(cfg, dict) and "auto_map" in cfg
 
 
 def activation_section(act: dict) -> tuple[str, str]:
@@ -240,13 +262,14 @@ def one_line(e: BaseException, limit: int = 400) -> str:
     a documentation link, the server's words): for them, the status, the URL and the server's message."""
     response = getattr(e, "response", None)
     status = getattr(response, "status_code", None)
-    if isinstance(status, int):
+    if response is not None and isinstance(status, int):
         try:
             url = f" on {response.request.method} {response.request.url}"
         except Exception:  # a response built without its request
             url = ""
         said = getattr(e, "server_message", None)
-        text = f"HTTP {status} {getattr(response, 'reason_phrase', '') or ''}".rstrip() + url + (f": {said}" if said else "")
+        text = (f"HTTP {status} {getattr(response, 'reason_phrase', '') or ''}".rstrip() + url
+                + (f": {said}" if said else ""))
     else:
         text = str(e)
     text = " ".join(text.split()) or type(e).__name__

@@ -3,11 +3,11 @@
 the partner shards it reads are there, and removed once no shard left needs it (``keep_source``:
 kept in the cache, where ``hf`` and vLLM find it).
 
-The conversion itself is the local one (converter.pipeline), run on the commit's view
-(converter.hub_view) in rounds of the shards that are ready: its DST checks, locks, resume and
-finalize are the same. The source's identity is the repo, the commit resolved at the start and each
-shard's SHA-256 (``sources.know``), so a rerun continues what is converted and fetches only what
-is missing, and a branch that moved since is refused by name.
+The conversion itself is the local one (converter.pipeline), one run on the commit's view
+(converter.hub_view) whose workers wait for each shard's files (converter.fetch_wait): its DST
+checks, locks, resume and finalize are the same. The source's identity is the repo, the commit
+resolved at the start and each shard's SHA-256 (``sources.know``), so a rerun continues what is
+converted and fetches only what is missing, and a branch that moved since is refused by name.
 """
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import hub_remote as remote
-from . import hub_view
-from .errors import BadInput, OutputError
+from . import fetch_wait, hub_remote as remote, hub_view
+from .errors import BadInput, ConvertError, OutputError
 from .hub_source import HubSource
 from .sources import know
 
@@ -91,12 +90,24 @@ def prepare(source: HubSource, dst: str | None, options, cache_dir: str, full_si
     return Prepared(snap, view, options.plan(view.root), dst)
 
 
+def task_order(todo) -> list:
+    """The order the workers take shards in (workers.Workers.run)."""
+    from .workers import size_first
+    return sorted(todo, key=size_first)
+
+
 def staging_bytes(plan, todo, ahead: int) -> int:
-    """Peak source bytes on disk: the ``ahead`` largest shards, or a shard with all its partners."""
+    """Peak source bytes on disk, shards converted in order: the files the next ``ahead`` unfinished shards
+    read, and those fetched earlier that a later shard still reads (a partner)."""
     size = {s.name: s.bytes_in for s in plan.shards}
-    biggest = sorted((s.bytes_in for s in todo), reverse=True)[:ahead]
-    need = max((sum(size[n] for n in [s.name] + s.partners) for s in todo), default=0)
-    return max(sum(biggest), need)
+    order = task_order(todo)
+    needs = [[s.name] + s.partners for s in order]
+    peak = 0
+    for i in range(len(order)):
+        fetched = {n for t in needs[: i + ahead] for n in t}
+        still = {n for t in needs[i:] for n in t}
+        peak = max(peak, sum(size[n] for n in fetched & still))
+    return peak
 
 
 def describe(source: HubSource, dst: str | None, options, cache_dir: str, ahead: int = AHEAD,
@@ -133,18 +144,19 @@ def _check_staging(dst: str, cache_dir: str, out_bytes: int, peak: int) -> None:
 
 
 class _Fetcher(threading.Thread):
-    """Downloads the files shards need, in order, never more than ``limit`` on disk (beyond that
-    only when nothing is ready to convert: a shard with more partners than ``limit`` still goes)."""
+    """Downloads what the shards need, in the order the workers take them (``task_order``): the
+    sources of at most ``ahead`` unfinished shards at once; each file checked, put in the view, and
+    its pending marker removed (converter.fetch_wait), or the marker told why it will not come."""
 
-    def __init__(self, p: Prepared, order: list[str], limit: int, cache_dir: str, token: str | None,
-                 on_event):
+    def __init__(self, p: Prepared, tasks: list[str], needs: dict[str, list[str]], ahead: int, cache_dir: str,
+                 token: str | None, on_event):
         super().__init__(name="k3-hub-fetch", daemon=True)
-        self.p, self.order, self.limit, self.cache_dir, self.token = p, order, limit, cache_dir, token
-        self.on_event = on_event
+        self.p, self.tasks, self.needs, self.ahead = p, tasks, needs, ahead
+        self.cache_dir, self.token, self.on_event = cache_dir, token, on_event
         self.cond = threading.Condition()
-        self.fetched: dict[str, str] = {}   # name -> path in the cache
+        self.fetched: dict[str, str] = {}   # name -> its path in the cache
         self.on_disk: set[str] = set()
-        self.idle = False                   # the converter waits for a shard
+        self.finished: set[str] = set()     # shards converted (``done`` events)
         self.error: BaseException | None = None
         self.stop = False
         self.peak = 0
@@ -154,33 +166,58 @@ class _Fetcher(threading.Thread):
         return sum(self.p.snap.files[n].size for n in self.on_disk)
 
     def run(self) -> None:
+        name = None
         try:
-            for name in self.order:
-                with self.cond:
-                    self.cond.wait_for(lambda: self.stop or len(self.on_disk) < self.limit or self.idle)
+            for i, task in enumerate(self.tasks):
+                with self.cond:   # the sources of at most `ahead` unfinished shards on disk
+                    # wait_for calls the predicate now, in this iteration: i is the current one
+                    self.cond.wait_for(lambda: self.stop or
+                                       sum(t not in self.finished for t in self.tasks[:i]) < self.ahead)  # noqa: B023
                     if self.stop:
                         return
-                t = time.perf_counter()
-                self.on_event("fetch", {"shard": name, "bytes": self.p.snap.files[name].size})
-                path = remote.download(self.p.snap, name, self.cache_dir, self.token)
-                try:
-                    remote.check(self.p.snap, name, path)
-                except BadInput:
-                    _drop(path)   # a corrupt download is never kept for the next run
-                    raise
-                self.p.view.place(name, path)
-                self.seconds += time.perf_counter() - t
-                with self.cond:
-                    self.fetched[name] = path
-                    self.on_disk.add(name)
-                    self.idle = False
-                    self.peak = max(self.peak, self.staged_bytes())
-                    self.cond.notify_all()
-                self.on_event("fetched", {"shard": name, "seconds": round(time.perf_counter() - t, 3)})
-        except BaseException as e:  # noqa: BLE001  (handed to the converting thread)
+                    todo = [n for n in self.needs[task] if n not in self.on_disk]
+                for name in todo:
+                    self._fetch(name)
+                name = None
+        except BaseException as e:  # noqa: BLE001  (the workers waiting for it are told; the run stops)
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+            err = e if isinstance(e, ConvertError) else OutputError(f"fetching failed: {e!r}")
+            for n in self.p.view.shards:   # every shard still on its way: the run stops at the first
+                if n not in self.on_disk and n in self.p.snap.files:
+                    fetch_wait.failed(self.p.view.path(n), err)
+
+    def _fetch(self, name: str) -> None:
+        t = time.perf_counter()
+        self.on_event("fetch", {"shard": name, "bytes": self.p.snap.files[name].size})
+        path = remote.download(self.p.snap, name, self.cache_dir, self.token)
+        try:
+            remote.check(self.p.snap, name, path)
+        except BadInput:
+            _drop(path)   # a corrupt download is never kept for the next run
+            raise
+        self.p.view.place(name, path)
+        self.seconds += time.perf_counter() - t
+        with self.cond:
+            self.fetched[name] = path
+            self.on_disk.add(name)
+            self.peak = max(self.peak, staged := self.staged_bytes())
+            self.cond.notify_all()
+        fetch_wait.arrived(self.p.view.path(name))
+        self.on_event("fetched", {"shard": name, "seconds": round(time.perf_counter() - t, 3), "staged_bytes": staged})
+
+    def converted(self, shard: str, keep_source: bool) -> None:
+        """A shard is done: every file no unfinished shard reads goes back to its stub (and out of the cache)."""
+        with self.cond:
+            self.finished.add(shard)
+            still = {x for t in self.tasks if t not in self.finished for x in self.needs[t]}
+            for n in sorted(self.on_disk - still):
+                self.p.view.stub(n)
+                if not keep_source:
+                    _drop(self.fetched[n])
+                self.on_disk.discard(n)
+            self.cond.notify_all()
 
 
 def _drop(cache_path: str) -> None:
@@ -204,7 +241,8 @@ class HubSummary:
 
 def convert(source: HubSource, dst: str | None, options, on_event=lambda k, f: None, cache_dir: str | None = None,
             ahead: int = AHEAD, keep_source: bool = False, token: str | None = None) -> HubSummary:
-    """Convert while downloading (module docstring); the local pipeline's Summary, with the fetch figures."""
+    """Convert while downloading (module docstring): one local run over the view, whose workers wait
+    for each shard's files (converter.fetch_wait) while the fetcher brings them ``ahead`` shards ahead."""
     from . import pipeline
     if ahead < 1:
         raise BadInput(f"--ahead {ahead}: expected 1 or more")
@@ -212,58 +250,36 @@ def convert(source: HubSource, dst: str | None, options, on_event=lambda k, f: N
     t0 = time.perf_counter()
     p = prepare(source, dst, options, cache_dir, full_side_files=True, token=token)
     plan, view = p.plan, p.view
-    names = [s.name for s in plan.shards]
     chosen = pipeline.selected(plan, options)
     done = {s.name for s in chosen if os.path.isdir(p.dst) and pipeline.shard_record(p.dst, s.name)}
-    todo = sorted((s for s in chosen if s.name not in done), key=lambda s: s.name)
+    todo = [s for s in chosen if s.name not in done]
+    pipeline.describe(plan, p.dst, options)   # DST refused where the run would refuse it, before any download
     _check_staging(p.dst, cache_dir, sum(s.bytes_out for s in todo), staging_bytes(plan, todo, ahead))
+    order = [s.name for s in task_order(todo)]
     needs = {s.name: [s.name] + s.partners for s in todo}
-    order = list(dict.fromkeys(n for s in todo for n in needs[s.name]))
-    on_event("plan", {"shards": len(chosen), "todo": len(todo), "bytes_in": sum(s.bytes_in for s in todo),
-                      "bytes_out": sum(s.bytes_out for s in todo), "devices": [], "workers":
-                      f"converting while downloading from {source.repo}@{p.snap.commit[:12]}, {ahead} shard(s) ahead"})
-    fetcher = _Fetcher(p, order, ahead, cache_dir, token, on_event)
-    pending = [s.name for s in todo]
-    summary = None
+    for name in {n for t in order for n in needs[t]}:
+        fetch_wait.mark(view.path(name))
+    fetcher = _Fetcher(p, order, needs, ahead, cache_dir, token, on_event)
 
-    def quiet_plan(kind: str, f: dict) -> None:
-        if kind != "plan":  # one plan for the whole run (above), not one per round
-            on_event(kind, f)
+    def events(kind: str, f: dict) -> None:
+        on_event(kind, f)
+        if kind == "done":
+            fetcher.converted(f["shard"], keep_source)
 
-    if pending:
+    if order:
         fetcher.start()
     try:
-        while pending:
-            with fetcher.cond:
-                def ready() -> list[str]:
-                    return [n for n in pending if all(x in fetcher.on_disk for x in needs[n])]
-                fetcher.idle = not ready()
-                fetcher.cond.notify_all()
-                fetcher.cond.wait_for(lambda: fetcher.error is not None or ready())
-                if fetcher.error is not None:
-                    raise fetcher.error
-                batch = ready()
-                fetcher.idle = False
-            spec = ",".join(str(names.index(n) + 1) for n in batch)
-            summary = pipeline.convert(view.root, p.dst, dataclasses.replace(options, shard_spec=spec, part=None),
-                                       quiet_plan, plan=plan)
-            pending = [n for n in pending if n not in batch]
-            still = {x for n in pending for x in needs[n]}
-            with fetcher.cond:
-                for n in sorted(fetcher.on_disk - still):
-                    view.stub(n)   # the view holds its header again; the data goes
-                    if not keep_source:
-                        _drop(fetcher.fetched[n])
-                    fetcher.on_disk.discard(n)
-                fetcher.cond.notify_all()
-        if summary is None:  # nothing left to convert here: the local run finalizes (or says so)
-            summary = pipeline.convert(view.root, p.dst, dataclasses.replace(options, part=None,
-                                       shard_spec=",".join(str(names.index(s.name) + 1) for s in chosen)),
-                                       quiet_plan, plan=plan)
+        names = [s.name for s in plan.shards]
+        spec = ",".join(str(names.index(s.name) + 1) for s in chosen)
+        summary = pipeline.convert(view.root, p.dst, dataclasses.replace(options, shard_spec=spec, part=None),
+                                   events, plan=plan)
+    except BaseException:
+        if fetcher.error is not None and not isinstance(fetcher.error, ConvertError):
+            raise OutputError(f"fetching from the Hub failed: {fetcher.error!r}", file=str(source)) from None
+        raise
     finally:
         with fetcher.cond:
             fetcher.stop = True
             fetcher.cond.notify_all()
     summary.seconds = time.perf_counter() - t0
-    summary.bytes_in = sum(s.bytes_in for s in todo)
     return HubSummary(summary, p.snap.commit, len(fetcher.fetched), fetcher.peak, fetcher.seconds)

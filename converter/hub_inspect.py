@@ -6,8 +6,7 @@ import os
 import tempfile
 from typing import Any
 
-from . import hub_remote as remote
-from . import hub_view
+from . import hub_remote as remote, hub_view
 from .hub_source import HubSource
 
 

@@ -55,7 +55,8 @@ def _hub_error(e: BaseException, what: str) -> Exception:
     from huggingface_hub import errors as hfe
     name = type(e).__name__
     if isinstance(e, hfe.GatedRepoError):
-        return BadInput(f"gated repository: accept its terms on the Hub and log in (hf auth login or HF_TOKEN)", file=what)
+        return BadInput("gated repository: accept its terms on the Hub and log in (hf auth login or HF_TOKEN)",
+                        file=what)
     if isinstance(e, hfe.RepositoryNotFoundError):
         return BadInput("no such repository on the Hub (or it is private: log in with hf auth login or HF_TOKEN)",
                         file=what)
@@ -67,8 +68,9 @@ def _hub_error(e: BaseException, what: str) -> Exception:
         status = getattr(getattr(e, "response", None), "status_code", None)
         return OutputError(f"the Hub answered HTTP {status}: {str(e).splitlines()[0][:200]}", file=what)
     if isinstance(e, OSError) or "Connect" in name or "Timeout" in name or "Network" in name:
-        return OutputError(f"cannot reach the Hub ({endpoint() or 'huggingface.co'}): {str(e).splitlines()[0][:200] or name}"
-                           "; run the same command again to resume", file=what)
+        return OutputError(f"cannot reach the Hub ({endpoint() or 'huggingface.co'}): "
+                           f"{str(e).splitlines()[0][:200] or name}"
+                           "; run the same command again once it is reachable (a conversion resumes)", file=what)
     return OutputError(f"{name}: {str(e).splitlines()[0][:200] if str(e) else ''}", file=what)
 
 
@@ -124,9 +126,43 @@ def header_bytes(snap: Snapshot, name: str, token: str | None = None) -> bytes:
     return first[: 8 + n]
 
 
+def drop_dead_partials(snap: Snapshot, name: str, cache_dir: str) -> int:
+    """Remove what a killed download of the file left in the cache, under huggingface_hub's own lock for
+    it (a download in progress holds it: then nothing is touched); bytes freed. huggingface_hub 2.x
+    writes each attempt to a process-unique ``<etag>.<id>.incomplete`` (it resumes within a process,
+    after a dropped connection, not across processes): a kill -9 would leave one behind per run."""
+    from filelock import Timeout
+    from huggingface_hub.file_download import repo_folder_name
+    from huggingface_hub.utils import WeakFileLock
+    etag = snap.files[name].sha256
+    folder = repo_folder_name(repo_id=snap.source.repo, repo_type="model")
+    blobs = os.path.join(cache_dir, folder, "blobs")
+    try:
+        dead = [e for e in os.listdir(blobs) if e.startswith(f"{etag}.") and e.endswith(".incomplete")]
+    except OSError:
+        return 0
+    if not dead or etag is None:
+        return 0
+    freed = 0
+    lock = os.path.join(cache_dir, ".locks", folder, f"{etag}.lock")
+    try:
+        with WeakFileLock(lock, timeout=0.01):
+            for e in dead:
+                p = os.path.join(blobs, e)
+                try:
+                    freed += os.path.getsize(p)
+                    os.unlink(p)
+                except OSError:
+                    pass
+    except Timeout:  # another process downloads it now
+        return 0
+    return freed
+
+
 def download(snap: Snapshot, name: str, cache_dir: str, token: str | None = None) -> str:
-    """The file, in the HF cache layout under ``cache_dir`` (resumed where a run left it): its path."""
+    """The file, in the HF cache layout under ``cache_dir`` (a complete one is not fetched again): its path."""
     from huggingface_hub import hf_hub_download
+    drop_dead_partials(snap, name, cache_dir)
     try:
         return hf_hub_download(snap.source.repo, name, revision=snap.commit, cache_dir=cache_dir,
                                endpoint=endpoint(), token=token)
@@ -149,7 +185,22 @@ def check(snap: Snapshot, name: str, path: str) -> None:
     want = snap.files[name]
     size = os.path.getsize(path)
     if size != want.size:
-        raise BadInput(f"downloaded {size:,} bytes, the Hub lists {want.size:,}: not converted", file=f"{snap.label}/{name}")
+        raise BadInput(f"downloaded {size:,} bytes, the Hub lists {want.size:,}: not converted",
+                       file=f"{snap.label}/{name}")
     if want.sha256 is not None and (got := sha256_of(path)) != want.sha256:
         raise BadInput(f"SHA-256 {got} differs from the Hub's {want.sha256}: not converted (the download was "
                        "removed; run again to fetch it anew)", file=f"{snap.label}/{name}")
+
+
+def snapshot_path(source: HubSource, cache_dir: str | None = None, token: str | None = None) -> str:
+    """The commit's files in the HF cache, each fetched unless the cache holds it (what a kept
+    conversion left there): the snapshot folder, for ``verify --source ORG/NAME@COMMIT``."""
+    snap = resolve(source, token)
+    from huggingface_hub import constants
+    cache_dir = cache_dir or constants.HF_HUB_CACHE
+    from huggingface_hub.file_download import repo_folder_name
+    for name in sorted(snap.files):
+        if not name.startswith("."):
+            download(snap, name, cache_dir, token)
+    return os.path.join(cache_dir, repo_folder_name(repo_id=snap.source.repo, repo_type="model"), "snapshots",
+                        snap.commit)

@@ -15,9 +15,9 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
+from . import hub_remote as remote
 from .errors import BadInput, OutputError
 from .formats import checkpoint as ckpt
-from . import hub_remote as remote
 
 SIDE_LIMIT = 64 << 20   # a side file larger than this is a sized stub when only looking (inspect, --dry-run)
 

@@ -13,10 +13,11 @@ from . import profiles
 from .errors import BadInput, ConvertError
 from .formats import checkpoint as ckpt
 from .formats.safetensors_io import read_header
-from .manifest import MANIFEST, REPORT, read_json
 from .plan import PACKED
-from .safepath import regular_problem
 from .quant.rules import recorded_rule
+from .safepath import regular_problem
+from .state.files import MANIFEST, REPORT
+from .state.records import read_json
 from .validate import ratio_line
 
 MXFP4_SOURCE = "mxfp4-source"
@@ -106,7 +107,8 @@ def inspect_path(path: str) -> dict[str, Any]:
                                         f"of {total} shard(s) done (status {manifest.get('status')!r})")
     else:
         wm = ckpt.weight_map(path)
-    shards, dtypes, total_bytes, modules, metadata_situ = [], Counter(), 0, 0, 0
+    dtypes: Counter[str] = Counter()
+    shards, total_bytes, modules, metadata_situ = [], 0, 0, 0
     for name in sorted(set(wm.values())):
         p = os.path.join(path, name)
         if not os.path.exists(p):
@@ -154,7 +156,8 @@ def inspect_path(path: str) -> dict[str, Any]:
             "activation": manifest.get("activation"),
             "worst": (report or {}).get("worst"), "rel_rmse_mean": (report or {}).get("rel_rmse_mean"),
             "scale_rule": recorded_rule(manifest),
-            "compare_rule": (report or {}).get("compare_rule"), "cmp_rel_rmse_mean": (report or {}).get("cmp_rel_rmse_mean"),
+            "compare_rule": (report or {}).get("compare_rule"),
+            "cmp_rel_rmse_mean": (report or {}).get("cmp_rel_rmse_mean"),
             "cmp_ratio": (report or {}).get("cmp_ratio"),
         }
     return info
@@ -240,7 +243,8 @@ def format_info(info: dict[str, Any]) -> str:
         lines.append(f"  quantization: {b['where']}: {b['quant_method']} / {b['format']} ({w}); "
                      f"{len(b['ignore'])} ignore pattern(s)")
     if info["situ"]:
-        lines.append("  activation:   " + ", ".join(f"{k}={v['value']} ({v['where']})" for k, v in info["situ"].items()))
+        lines.append("  activation:   "
+                     + ", ".join(f"{k}={v['value']} ({v['where']})" for k, v in info["situ"].items()))
     else:
         lines.append("  activation:   not stated in config.json (no hidden_act)")
     lines.append(f"  shard metadata states hidden_act: {info['situ_in_shard_metadata']}")

@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
+import tomllib
 from typing import Any
 
 import click
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 
 def _keys(param: click.Parameter) -> set[str]:
@@ -60,7 +55,9 @@ def load(path: str, command: click.Command) -> dict[str, Any]:
         if isinstance(value, list):  # devices = ["cuda:0", "cuda:1"]
             value = ",".join(str(v) for v in value)
         if isinstance(value, str) and (isinstance(param.type, click.Path) or _names_file(param, value)):
-            value = os.path.normpath(os.path.join(base, os.path.expanduser(value)))  # e.g. profile = "k3.toml"
+            joined = os.path.normpath(os.path.join(base, os.path.expanduser(value)))  # e.g. profile = "k3.toml"
+            # src = "ORG/NAME": a Hub repo id where no such path lies beside the job file (cli._Source)
+            value = value if getattr(param.type, "hub_ok", False) and not os.path.lexists(joined) else joined
         out[param.name] = value
     return out
 

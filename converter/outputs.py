@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .formats import checkpoint as ckpt
-from .manifest import MANIFEST, REPORT, STATE_DIR, TENSOR_TABLE
 from .plan import README, TEMPORARY, Plan, ShardPlan, side_file_target
+from .state.files import MANIFEST, REPORT, STATE_DIR, TENSOR_TABLE
 
 CONFIG = "config.json"
 BOOKKEEPING = (MANIFEST, REPORT, TENSOR_TABLE)  # ours, about the conversion
@@ -55,7 +55,9 @@ class Listing:
 
 
 def listing(dst: str) -> Listing:
-    files, temporaries, links = [], [], []
+    files: list[str] = []
+    temporaries: list[str] = []
+    links: list[str] = []
     for d, dirs, names in os.walk(dst):
         rel_dir = os.path.relpath(d, dst).replace(os.sep, "/")
         rel_dir = "" if rel_dir == "." else rel_dir + "/"

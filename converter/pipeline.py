@@ -24,22 +24,22 @@ from typing import Any, Callable, Mapping
 from . import __version__
 from .devices import gpu_count
 from .digest import ALGORITHM as DIGEST_ALGORITHM, bytes_digest, file_digest
-from .errors import BadInput, Interrupted, OutputError, ThresholdExceeded
+from .errors import BadInput, Interrupted, OutputError, ThresholdExceeded, from_event
 from .formats import checkpoint as ckpt
 from .formats.dialect import TARGET_FORMAT
-from .manifest import (LOCKS, MANIFEST, MANIFEST_LOCK, READ_LOCK, REPORT, RUN_LOCK, STATE_DIR, TENSOR_TABLE, DstLock,
-                       ShardLocks, commit, copy_current, discard, file_fingerprint, json_bytes, read_json, read_rows,
-                       rows_bytes, stage, stage_copy, state_file, write_json, write_rows, writing)
 from .outputs import expected
-from .profiles import MAX_EXPERTS
-from .sources import config_identity, content_change, hint, profile_argument, profile_identity, shard_identity
 from .plan import TEMPORARY, Plan, ShardPlan, build_plan, side_file_target
+from .profiles import MAX_EXPERTS
+from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, ScaleRule, recorded_rule
 from .safepath import contains, dest_file, lock_file
-from .quant.rules import DEFAULT as SCALE_RULE_DEFAULT, OPTIMA, RULES as SCALE_RULES, recorded_rule
+from .sources import config_identity, content_change, hint, profile_argument, profile_identity, shard_identity
+from .state.atomic import commit, copy_current, discard, stage, stage_copy
+from .state.files import MANIFEST, REPORT, STATE_DIR, TENSOR_TABLE
+from .state.locks import LOCKS, MANIFEST_LOCK, READ_LOCK, RUN_LOCK, DstLock, ShardLocks, state_file, writing
+from .state.records import file_fingerprint, json_bytes, read_json, read_rows, rows_bytes, write_json, write_rows
 from .validate import TensorFigures, error_ratio, layer_summary, mean, ratio_line
 from .whole import whole
-from .workers import Task, Workers, cpu_workers, raise_error
-
+from .workers import Task, Workers, cpu_workers
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Options:
     profile: str | None = None        # model profile name or file [default: chosen from config.json]
     drop_activation_quant: bool = False  # convert a source that also quantizes activations, weight-only
     inline: bool | None = None        # one worker in this process [default: when torch is imported here]
-    scale_rule: str = SCALE_RULE_DEFAULT  # --scale-rule: optimal | optimal-pm7 | vllm-gfx942 (quant/rules.py)
+    scale_rule: ScaleRule = SCALE_RULE_DEFAULT  # --scale-rule (quant/rules.py); a name is parsed here
     fp8_bf16_tp: int | None = None    # --fp8-bf16-at-tp N: FP8 linears vLLM refuses at TP N written as bf16
 
     def identity(self) -> dict[str, Any]:
@@ -73,7 +73,8 @@ class Options:
         """The options a DST's run.json records (``identity``), for a standalone ``finalize``."""
         return cls(profile=profile_argument(identity.get("profile")),
                    drop_activation_quant=bool(identity.get("drop_activation_quant")),
-                   scale_rule=recorded_rule(identity), sample_experts=identity.get("sample_experts", 4),
+                   scale_rule=ScaleRule.parse(recorded_rule(identity)),
+                   sample_experts=identity.get("sample_experts", 4),
                    max_rel_rmse=identity.get("max_rel_rmse", Options.max_rel_rmse),
                    fp8_bf16_tp=identity.get("fp8_bf16_tp"))
 
@@ -91,8 +92,7 @@ class Options:
         t = self.fp8_bf16_tp
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise BadInput(f"--fp8-bf16-at-tp {t!r}: expected a whole number >= 1")
-        if self.scale_rule not in SCALE_RULES:
-            raise BadInput(f"--scale-rule {self.scale_rule!r}: expected one of {', '.join(SCALE_RULES)}")
+        self.scale_rule = ScaleRule.parse(self.scale_rule)   # the one check of a rule name: typed from here on
 
 
 def _compared(identity: Mapping[str, Any]) -> dict[str, Any]:
@@ -154,7 +154,7 @@ def plan_workers(options: Options, shards: int | None = None) -> tuple[list[str]
     if devices and devices != ["cpu"]:
         n = gpu_count()
         for d in devices:
-            if whole(d[5:]) >= n:
+            if int(d[5:]) >= n:   # ASCII digits: checked above
                 raise BadInput(f"--devices: {d} is not a visible GPU ("
                                + (f"{n} visible: cuda:0-{n - 1})" if n else "none is: no CUDA or ROCm driver found)"))
     if devices is None and (n := gpu_count()):
@@ -413,7 +413,7 @@ def judge_dst(plan: Plan, dst: str, options: Options, ident: Mapping[str, Any], 
     if old is None:
         if unreadable is None and not _entries(dst):
             return None, hints
-        what = unreadable or _unrecorded(dst)
+        what: str | None = unreadable or _unrecorded(dst)
         if not options.overwrite:
             raise OutputError(f"holds k3convert output that cannot be continued ({what}): "
                               "use --overwrite to replace it", file=dst)
@@ -585,6 +585,7 @@ def convert(src: str, dst: str | None = None, options: Options | None = None,
         dst_lock.close()
     if summary.status == "failed-validation":  # also shards finished (unchecked) by earlier runs
         w = summary.worst
+        assert w is not None   # failed-validation: it names the worst tensor
         raise ThresholdExceeded(f"relative RMSE {w['rel_rmse']:.4f} exceeds --max-rel-rmse {options.max_rel_rmse}",
                                 file=os.path.join(dst, plan.weight_map()[w["tensor"]]), tensor=w["tensor"])
     summary.seconds = time.perf_counter() - t0
@@ -679,7 +680,7 @@ def _convert_shards(plan: Plan, dst: str, options: Options, todo: list[ShardPlan
     def handle(kind: str, f: dict) -> None:
         if kind == "error":
             on_event("error", f)
-            raise_error(f)
+            raise from_event(f)
         if kind == "done":
             _record(dst, plan, options, f, on_event)
         else:
@@ -847,11 +848,11 @@ def _remove_stale(dst: str, names: set[str]) -> None:
             raise OutputError(f"cannot remove a side file SRC no longer has: {e.strerror}", file=path) from None
 
 
-def _rule_record(rule: str, figs: list[TensorFigures]) -> dict[str, Any]:
+def _rule_record(rule: ScaleRule, figs: list[TensorFigures]) -> dict[str, Any]:
     """The report's scale rule and the other rule's figures on the same weights (docs/maths.md)."""
     cmp = [r.cmp_rel_rmse for r in figs if r.cmp_rel_rmse is not None]
     ratio = error_ratio(figs)
-    return {"scale_rule": rule, "compare_rule": "optimal" if rule not in OPTIMA else "vllm-gfx942",
+    return {"scale_rule": rule, "compare_rule": rule.compared_with,
             "cmp_rel_rmse_mean": mean(cmp) if cmp else None, "cmp_ratio": ratio,
             "compare": ratio_line(ratio, rule)}
 
@@ -867,7 +868,8 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
     status = "failed-validation" if failed else ("complete" if all_done else "partial")
     summary = Summary(dst, len(done), len(plan.shards), len(figs), time.perf_counter() - t0,
                       sum(s.bytes_in for s in done), sum(s.bytes_out for s in done), layer_summary(figs),
-                      status=status, worst=worst and {"tensor": worst.name, "rel_rmse": worst.rel_rmse})
+                      status=status,
+                      worst=None if worst is None else {"tensor": worst.name, "rel_rmse": worst.rel_rmse})
     summary.scale_rule, summary.cmp_ratio = options.scale_rule, error_ratio(figs)
     summary.bf16 = sum(len(s.dequants) for s in done)
     source = _source_record(plan, run)

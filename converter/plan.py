@@ -21,8 +21,8 @@ from .errors import BadInput
 from .formats import checkpoint as ckpt
 from .formats.checkpoint import PACKED, SCALE, SHAPE
 from .formats.safetensors_io import MAX_HEADER, Header, Layout, OutTensor, TensorInfo, read_header
-from .safepath import _within as within, regular_problem, source_file, source_roots
 from .quant.rules import DEFAULT as DEFAULT_RULE
+from .safepath import _within as within, regular_problem, source_file, source_roots
 
 UNQUANTIZED = "weight"   # a module's plain weight: beside its MXFP4 pair, a second weight of one module
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -177,7 +177,7 @@ class ShardPlan:
     def sources(self) -> list[str]:
         """Every source file it reads: its own shard first, then the others that hold a scale
         of one of its modules (split pairs), by name."""
-        others = {c.scale.path for c in (*self.pairs, *self.fp8_dequants)} - {self.path}
+        others = ({c.scale.path for c in self.pairs} | {f.scale.path for f in self.fp8_dequants}) - {self.path}
         return [self.path] + sorted(others, key=os.path.basename)
 
     @property
@@ -410,7 +410,8 @@ def _linked_folder_problem(src: str, d: str, name: str, roots: tuple[str, ...]) 
     path = os.path.join(d, name)
     real = os.path.realpath(path)
     if not any(within(real, r) for r in roots):
-        return f"file {shown(path)}: a link to the folder {shown(real)}, outside the checkpoint directory: refusing to read it"
+        return (f"file {shown(path)}: a link to the folder {shown(real)}, outside the checkpoint directory: "
+                "refusing to read it")
     rel, above = os.path.relpath(d, src), [src]
     for part in ([] if rel == "." else rel.split(os.sep)):
         above.append(os.path.join(above[-1], part))
@@ -532,16 +533,18 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
         problems.append(f"--fp8-bf16-at-tp {fp8_bf16_tp}: the source has no FP8 block linears")
     elif hasattr(source, "with_bf16"):   # FP8 linears vLLM would load wrong or refuse: bf16 (Fp8Dequant)
         source = source.with_bf16(config, tensors, fp8_bf16_tp)
-    fp8_bf16 = [Fp8Dequant(m, tensors[f"{m}.weight"], tensors[f"{m}.weight_scale_inv"], source.weight_block)
+    fp8_bf16 = [Fp8Dequant(m, tensors[f"{m}.weight"], tensors[f"{m}.weight_scale_inv"],
+                           getattr(source, "weight_block"))  # noqa: B009 - Fp8Mxfp4Source's, the one with bf16_modules
                 for m in getattr(source, "bf16_modules", ())]
     problems += source.tensor_problems(tensors)
     converts = _pair(tensors, source, problems, {n for n, shard in wm.items() if shard not in headers})
-    modules: dict[str, MXFP4Module] = dict(converts)
+    modules: dict[str, Convert | Dequant] = dict(converts)
     if prof.experts_only:  # the rest loads as bf16, exactly: shared experts, dense MLPs of Quark's templates
         converts = {m: c for m, c in converts.items() if ckpt.match_name(m, ckpt.EXPERT_TARGET)}
-        modules = {m: c if m in converts else Dequant(c.module, c.packed, c.scale, c.rows, c.cols) for m, c in modules.items()}
-    consumed = {t.name for c in (*modules.values(), *fp8_bf16) for t in ((c.packed, c.scale) if isinstance(
-        c, MXFP4Module) else (c.weight, c.scale))}
+        modules = {m: c if m in converts else Dequant(c.module, c.packed, c.scale, c.rows, c.cols)
+                   for m, c in modules.items()}
+    consumed = ({t.name for c in modules.values() for t in (c.packed, c.scale)}
+                | {t.name for f in fp8_bf16 for t in (f.weight, f.scale)})
     dropped = sorted(n for n in tensors if n not in consumed and n.endswith(source.dropped_tensors))
     expected = profiles.expected_modules(prof, config)
     if expected is not None and not problems:  # what the other checks cannot see: an index that lacks modules
@@ -550,7 +553,7 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
         if extra := profiles.unexpected_modules(prof, config, expected, converts):   # and one that holds more
             problems.append(profiles.extras_problem(prof, expected, extra, lambda m: converts[m].packed))
 
-    by_packed: dict[str, list[MXFP4Module | Fp8Dequant]] = {}
+    by_packed: dict[str, list[Convert | Dequant | Fp8Dequant]] = {}
     for c in modules.values():
         by_packed.setdefault(c.packed.path, []).append(c)
     for f in fp8_bf16:

@@ -11,18 +11,13 @@ from __future__ import annotations
 import os
 import re
 import string
-import sys
+import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import BadInput
 from .formats import dialect
 from .formats.checkpoint import dotted, is_mxfp4, quant_blocks
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 SHOWN = 8  # missing modules named in an error
 # bounds on the config numbers that size the expected-module table (Kimi K3: 61 layers,
@@ -123,8 +118,8 @@ def _inventory(inv: Any, path: str) -> dict[str, Any] | None:
         ok = False
     if not ok:
         raise BadInput("[inventory] needs module (a name with {layer}, {expert}, {proj}), layers (two config "
-                       "keys) or layer_mask (a config key: one 0/1 per layer, 1 = MoE; optional layer_count: the key whose "
-                       "layers are all MoE when config.json has no mask), experts (a config key) and "
+                       "keys) or layer_mask (a config key: one 0/1 per layer, 1 = MoE; optional layer_count: the key "
+                       "whose layers are all MoE when config.json has no mask), experts (a config key) and "
                        "[inventory.shapes] (proj = [out key, in key]); optional mtp_layers (a config key: layers after "
                        "layers' end that may hold the draft's experts, with layers only)", file=path)
     return inv
@@ -190,6 +185,7 @@ def expected_modules(profile: Profile, config: dict) -> dict[str, tuple[int, int
                            f"integer in [0, {limit:,}]")
         return value
 
+    layers: list[int] | range
     try:
         if "layer_mask" in inv and (_has(config, inv["layer_mask"]) or "layer_count" not in inv):
             layers = _moe_layers(profile, config, inv["layer_mask"])
@@ -201,7 +197,8 @@ def expected_modules(profile: Profile, config: dict) -> dict[str, tuple[int, int
                 # layers past the end that the same names carry (Ling's MTP MoE layers, bailing_moe_v3_mtp.py 162-173)
                 layers = range(layers.start, layers.stop + count(inv["extra_layers"], MAX_LAYERS))
         experts = count(inv["experts"], MAX_EXPERTS)
-        shapes = {proj: tuple(count(k, MAX_DIM) for k in dims) for proj, dims in inv["shapes"].items()}
+        shapes = {proj: (count(out, MAX_DIM), count(in_, MAX_DIM))   # two keys each: checked by the profile's load
+                  for proj, (out, in_) in inv["shapes"].items()}
     except KeyError as e:
         raise BadInput(f"profile {profile.name!r} needs {e.args[0]} in config.json") from None
     n = len(layers) * experts * len(shapes)
@@ -227,8 +224,8 @@ def unexpected_modules(profile: Profile, config: dict, expected: dict[str, Any],
     """Converted modules named like the inventory's experts that the config does not describe (a layer
     it does not make MoE, an expert number past its count): a server builds no parameter for them.
 
-    Layers [end, end + ``mtp_layers``), ``end`` the second of ``layers``, are let through, neither required nor refused: vLLM's K3
-    draft builds its MoE layers there (models/kimi_k3/amd/mtp.py 124-135). Only names missing
+    Layers [end, end + ``mtp_layers``), ``end`` the second of ``layers``, are let through, neither required nor
+    refused: vLLM's K3 draft builds its MoE layers there (models/kimi_k3/amd/mtp.py 124-135). Only names missing
     from ``expected`` are matched, so a checkpoint the config describes costs no pattern match."""
     inv = profile.inventory
     if not inv:

@@ -67,7 +67,7 @@ def libraries_quiet() -> Iterator[None]:
     os.environ[HF_BARS_ENV] = "1"
     hub = sys.modules.get("huggingface_hub.utils")
     was_off = hub.are_progress_bars_disabled() if hub is not None else True
-    if not was_off:
+    if hub is not None and not was_off:
         hub.disable_progress_bars()
     try:
         yield
@@ -76,7 +76,7 @@ def libraries_quiet() -> Iterator[None]:
             os.environ.pop(HF_BARS_ENV, None)
         else:
             os.environ[HF_BARS_ENV] = old
-        if not was_off:
+        if hub is not None and not was_off:
             hub.enable_progress_bars()
 
 
@@ -147,7 +147,9 @@ class LineBar:
     def __init__(self, file: TextIO, total: float | None = None, desc: str = "", unit: str = "",
                  postfix: str | None = None, silent: bool = False, **_tqdm_only: Any):
         self.fp, self.total, self.desc, self.unit, self.postfix = file, total, desc, unit, postfix or ""
-        self.n, self.leave, self.silent, self.bar_format = 0, True, silent, None
+        self.n: float = 0
+        self.leave, self.silent, self.bar_format = True, silent, None
+        self.k3_ticker: Ticker | None = None   # set by bar()
         self.start_t = time.monotonic()
         self.lock = threading.Lock()
 
@@ -245,7 +247,7 @@ class Status:
     FORMAT = "{desc} [{elapsed}]"
 
     def __init__(self) -> None:
-        self.bar = None
+        self.bar: Any = None   # bar(): a tqdm bar or a LineBar
 
     def start(self, doing: str) -> None:
         self.end()
@@ -264,7 +266,8 @@ class Progress:
     WAIT = "{desc} [{elapsed}{postfix}]"  # before the plan: no total yet
 
     def __init__(self, mode: str):
-        self.mode, self.bar, self.done, self.total = mode, None, 0, 0
+        self.bar: Any = None   # bar(): a tqdm bar or a LineBar
+        self.mode, self.done, self.total = mode, 0, 0
         self.first: tuple[float, int] | None = None  # (time, bytes) of the first bytes event
         self.ready = 0  # workers that reported their kernel loaded
 

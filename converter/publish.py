@@ -43,7 +43,8 @@ class _Hashes:
     """The manifest's chunked digest and the plain SHA-256 of a byte stream, fed in order."""
 
     def __init__(self) -> None:
-        self.plain, self.chunk, self.chunks, self.in_chunk = hashlib.sha256(), hashlib.sha256(), [], 0
+        self.plain, self.chunk, self.in_chunk = hashlib.sha256(), hashlib.sha256(), 0
+        self.chunks: list[bytes] = []
 
     def update(self, data: bytes) -> None:
         view = memoryview(data)

@@ -17,20 +17,19 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from .errors import BadInput, OutputError
-from .formats import mxfp4
+from .formats import fp8_block, mxfp4
 from .formats.checkpoint import PACKED, SCALE, SHAPE
-from .formats.safetensors_io import ShardWriter
-from .formats import fp8_block
+from .formats.safetensors_io import ShardWriter, TensorInfo
 from .plan import Convert, Dequant, Fp8Dequant, ShardPlan
-from .safepath import open_regular
 from .quant.requant import STAT_FIELDS, Result
-from .quant.rules import OPTIMA, RULES
+from .quant.rules import DEFAULT, ScaleRule
+from .safepath import open_regular
 from .validate import TensorFigures, figures, output_error, probe
 
 COPY_PIECE = 16 << 20
@@ -82,23 +81,23 @@ class _Timer:
 
 @dataclass
 class _CopyPiece:
-    info: object       # TensorInfo of the tensor
+    info: TensorInfo   # of the tensor
     offset: int        # within the tensor
     size: int
     name: str = ""     # its name in DST (plan.Copy.out_name)
     data: np.ndarray | None = None
-    buf: object = None  # pool buffer, given back once written
+    buf: Any = None    # pool buffer, given back once written
 
 
 @dataclass
 class _DequantPiece:
     """Rows [lo, hi) of a ``Dequant`` module: read, decoded to bf16 by the reader, written at ``offset``."""
 
-    item: Dequant
+    item: Dequant | Fp8Dequant   # Dequant; an _Fp8Piece's Fp8Dequant
     lo: int
     hi: int
     data: np.ndarray | None = None
-    buf: object = None  # pool buffer (a copy piece's), given back once written
+    buf: Any = None     # pool buffer (a copy piece's), given back once written
 
     @property
     def name(self) -> str:
@@ -114,7 +113,9 @@ class _DequantPiece:
 
     @property
     def nbytes(self) -> int:     # source bytes read
-        return (self.hi - self.lo) * (self.item.packed.nbytes + self.item.scale.nbytes) // self.item.rows
+        d = self.item
+        assert isinstance(d, Dequant)   # an _Fp8Piece has its own
+        return (self.hi - self.lo) * (d.packed.nbytes + d.scale.nbytes) // d.rows
 
 
 class _Fp8Piece(_DequantPiece):
@@ -130,7 +131,7 @@ class _Batch:
     items: list[Convert]
     packed: torch.Tensor | None = None  # [G, 16] uint8, all items back to back
     scales: torch.Tensor | None = None  # [G] uint8
-    buf: object = None
+    buf: Any = None
 
     @property
     def groups(self) -> int:
@@ -141,7 +142,8 @@ class _Pool:
     """A fixed set of reusable buffers; ``get`` waits while all are in flight."""
 
     def __init__(self, count: int, make: Callable[[], object]):
-        self._make, self._count, self._q = make, count, queue.SimpleQueue()
+        self._make, self._count = make, count
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def get(self):
         if self._count:  # allocated on first use, then only recycled
@@ -154,7 +156,7 @@ class _Pool:
 
 
 def _pread(fd: int, buf: np.ndarray, offset: int, path: str, name: str) -> None:
-    view = memoryview(buf).cast("B")
+    view = buf.data.cast("B")
     while view:
         try:
             n = os.preadv(fd, [view], offset)
@@ -193,7 +195,7 @@ def _units(sp: ShardPlan, batch_groups: int):
         yield _Batch(batch)
 
 
-def _scale_refusal(items: list[Convert], index: int, why: str) -> BadInput:
+def _scale_refusal(items: list[Convert] | list[Dequant], index: int, why: str) -> BadInput:
     """BadInput naming the file, tensor and group of a batch's ``index``-th group."""
     for c in items:
         if index < c.groups:
@@ -213,16 +215,16 @@ class ShardConverter:
 
     def __init__(self, requantize: Requantizer, device: str = "cpu", batch_groups: int = 1 << 20,
                  sample: Callable[[Convert], bool] = lambda c: True, readers: int = 3, writers: int = 2,
-                 scale_shift: int = 0, rule: str = "optimal", server: Requantizer | None = None):
+                 scale_shift: int = 0, rule: ScaleRule = DEFAULT, server: Requantizer | None = None):
         self.requantize, self.device = requantize, torch.device(device)
-        if rule not in RULES:
-            raise BadInput(f"--scale-rule: {rule!r} is not one of {', '.join(RULES)}")
+        rule = ScaleRule(rule)
         if server is None:
             from .kernels import server_requantizer
             server = server_requantizer(str(self.device))
         # requantize: the optimum of the rule (optimal, optimal-pm7), or for vllm-gfx942 the default one
-        self.rule, self.server, self._scratch_buf = rule, server, None  # server: the vllm-gfx942 rule's kernel
-        self.optimum = rule in OPTIMA  # the rule written is an exact optimum; its comparison, the server rule
+        self.rule, self.server = rule, server  # server: the vllm-gfx942 rule's kernel
+        self._scratch_buf: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.optimum = rule.optimum  # the rule written is an exact optimum; its comparison, the server rule
         self.batch_groups, self.sample, self.scale_shift = batch_groups, sample, scale_shift % 256
         self.readers, self.writers = readers, writers
         self.pin = self.device.type == "cuda"
@@ -253,6 +255,7 @@ class ShardConverter:
         if isinstance(piece, _Fp8Piece):
             return self._fp8_dequantize(fds, piece)
         d, rows = piece.item, piece.hi - piece.lo
+        assert isinstance(d, Dequant)   # _units pairs an Fp8Dequant with an _Fp8Piece
         half, groups = d.cols // 2, d.cols // 32
         pn, sn, scratch = self._dequant_buffers(rows * d.cols)
         pn, sn = pn[:rows * half].reshape(rows, half), sn[:rows * groups].reshape(rows, groups)
@@ -272,6 +275,7 @@ class ShardConverter:
         """Read an FP8 linear's rows and its block scales, decode to bf16 (``fp8_block.to_bf16``),
         refusing a value that is not finite (a NaN byte, or a scale that overflows)."""
         d, rows = piece.item, piece.hi - piece.lo
+        assert isinstance(d, Fp8Dequant)   # _units pairs an Fp8Dequant with an _Fp8Piece
         w = np.empty((rows, d.cols), np.uint8)
         s = np.empty(d.scale.shape, np.float32)
         _pread(fds[d.weight.path], w, d.weight.start + piece.lo * d.cols, d.weight.path, d.weight.name)
@@ -327,6 +331,7 @@ class ShardConverter:
 
     def _compute(self, batch: _Batch, out_buf, stages: Stages
                  ) -> tuple[list[tuple[str, object]], list[TensorFigures]]:
+        assert batch.packed is not None and batch.scales is not None   # _read filled them
         offsets = np.cumsum([0] + [c.groups for c in batch.items]).tolist()
         dev = self.device
         groups = offsets[-1]
@@ -348,15 +353,16 @@ class ShardConverter:
                 cmp = other(packed, scales, offsets, **({"out": self._scratch(groups)} if dev.type == "cpu" else {}))
         with stages.time("compute_sync"):
             stats = res.stats.cpu().tolist()  # stream-ordered: the copies above are done too
-            cmp_stats = cmp.stats.cpu().tolist() if cmp is not None else None
-            server_err2 = res.server_err2.tolist() if cmp is None else None
+            # each read only where it was computed: cmp_stats where cmp is, server_err2 where it is not
+            cmp_stats: list = cmp.stats.cpu().tolist() if cmp is not None else []
+            server_err2: list = res.server_err2.tolist() if cmp is None and res.server_err2 is not None else []
         pieces, figs = [], []
         oor_col = STAT_FIELDS.index("out_of_range")  # NaN bytes never get here: _read refused them
 
         def out_errors(c: Convert, lo: int, hi: int, ours: tuple, theirs: tuple | None) -> tuple:
             """The output error of our int4 and, if given, of the other rule's (words, scales)."""
             if dev.type == "cpu":  # one pass over the MXFP4 weights for both
-                return self._cpu_output_errors(batch.packed[lo:hi], batch.scales[lo:hi], ours, theirs, c.cols,
+                return self._cpu_output_errors(packed[lo:hi], scales[lo:hi], ours, theirs, c.cols,  # batch's on CPU
                                                probe(c.cols))
             return out_error(c, lo, hi, *ours), (None if theirs is None else out_error(c, lo, hi, *theirs))
 
@@ -400,7 +406,8 @@ class ShardConverter:
     def _scratch(self, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
         """CPU buffers for the other rule's bytes (used by the compute thread only)."""
         if self._scratch_buf is None or self._scratch_buf[0].shape[0] < groups:
-            self._scratch_buf = (torch.empty((groups, 16), dtype=torch.uint8), torch.empty(groups, dtype=torch.bfloat16))
+            self._scratch_buf = (torch.empty((groups, 16), dtype=torch.uint8),
+                                 torch.empty(groups, dtype=torch.bfloat16))
         return self._scratch_buf[0][:groups], self._scratch_buf[1][:groups]
 
     @staticmethod

@@ -19,11 +19,12 @@ from typing import Any, Iterable, Mapping
 
 from . import digest, profiles
 from .errors import BadInput, OutputError
-from .manifest import file_fingerprint
 from .safepath import open_regular
+from .state.records import file_fingerprint
 
 PIECE = 1 << 20  # bytes per CRC-32: a change is missed only if every changed MiB keeps its CRC
 ALGORITHM = "sha256 of the CRC-32s of consecutive 1 MiB pieces"
+Hint = int | str | None   # a hint's values: inode and ctime numbers, or a known file's SHA-256
 
 
 def _chunk_crcs(fd: int, start: int, size: int) -> bytes:
@@ -134,7 +135,7 @@ def shard_identity(path: str) -> dict[str, Any]:
     return dict(known) if known is not None else file_fingerprint(path)
 
 
-def hint(path: str) -> dict[str, int]:
+def hint(path: str) -> dict[str, Hint]:
     """What moves when a file is written or its mtime put back (inode, ctime), for deciding
     whether its content must be re-read; never part of the identity. A known file (``know``): its
     SHA-256, checked when it was fetched."""
@@ -152,7 +153,7 @@ def partner_ranges(shard) -> dict[str, list[tuple[int, int]]]:
     tensors of its modules that sit there (``plan.ShardPlan``)."""
     root = shard.path[: len(shard.path) - len(shard.name)]  # SRC/ (a shard's name may hold a folder)
     out: dict[str, list[tuple[int, int]]] = {}
-    for c in shard.pairs:
+    for c in (*shard.pairs, *shard.fp8_dequants):   # the FP8 linears written as bf16 read their scales too
         if c.scale.path != shard.path:
             out.setdefault(c.scale.path[len(root):], []).append((c.scale.start, c.scale.nbytes))
     return out
@@ -166,7 +167,7 @@ def read_digests(shard) -> dict[str, Any]:
 
 
 def content_change(shards: list, records: Mapping[str, dict | None], hints: Mapping[str, Any]
-                   ) -> tuple[str | None, dict[str, dict[str, int]]]:
+                   ) -> tuple[str | None, dict[str, dict[str, Hint]]]:
     """Whether a source file DST depends on has other content than when it was converted, though
     its identity matches: (what changed in words, or None; the hints now).
 

@@ -64,7 +64,8 @@ class Guard:
     def __exit__(self, *exc) -> None:
         for s in (sys.stdout, sys.stderr):
             s.flush()  # guarded: what was buffered is written now, or its error kept
-        sys.stdout, sys.stderr = self._saved
+        if self._saved is not None:   # set by __enter__
+            sys.stdout, sys.stderr = self._saved
 
     def status(self, code: int, command: str | None) -> int:
         if not self.lost:

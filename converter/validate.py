@@ -152,11 +152,11 @@ def cmp_label(rule: str) -> tuple[str, str]:
     """(short column name, sentence start) for the other rule's figures in a run of ``rule``."""
     if rule == "vllm-gfx942":
         return "optimal", "the optimal rule (k3convert's default)"
-    return "server", "server load-time int4 (vLLM 0.33 gfx942)"
+    return "server", "server load-time int4 (vLLM gfx942)"
 
 
 def ratio_line(ratio: float | None, rule: str = "optimal") -> str | None:
-    """"server load-time int4 (vLLM 0.33 gfx942): 1.37x our error", or None without figures."""
+    """"server load-time int4 (vLLM gfx942): 1.37x our error", or None without figures."""
     if ratio is None:
         return None
     if rule == "vllm-gfx942":

@@ -17,16 +17,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
-from . import digest
+from . import digest, fetch_wait
 from .devices import cpus, memory_available
 from .errors import BadInput, ConvertError, OutputError
 from .kernels import requantizer, server_requantizer
-from .quant.rules import optimum_qmin
-from .whole import whole
-from .sources import read_digests, start_content_digest
 from .plan import ShardPlan
+from .quant.rules import DEFAULT, ScaleRule
+from .sources import read_digests, start_content_digest
+from .whole import whole
 
 Handler = Callable[[str, dict], None]   # (event kind, fields); raises to stop the run
 
@@ -41,7 +41,7 @@ class Task:
     sample_per_layer: int     # 0: none
     scale_shift: int          # added to every E8M0 byte (source dialect's bias correction)
     batch_groups: int | None
-    scale_rule: str = "optimal"  # --scale-rule: quant/rules.py
+    scale_rule: ScaleRule = DEFAULT  # --scale-rule, parsed by Options
 
 
 # ---------------------------------------------------------------- how many CPU workers
@@ -170,6 +170,7 @@ def io_threads() -> dict[str, int]:
     if len(counts) != 2 or not all(counts):  # ASCII digits, not 0
         raise BadInput(f"K3CONVERT_IO_THREADS={raw!r}: expected two positive numbers, readers,writers")
     readers, writers = counts
+    assert readers and writers   # checked above
     return {"readers": readers, "writers": writers}
 
 
@@ -177,7 +178,8 @@ class _Converters:
     """One ShardConverter per distinct task setting, reused across shards (its buffer pools)."""
 
     def __init__(self, device: str):
-        self.device, self.cache = device, {}
+        self.device = device
+        self.cache: dict[tuple, Any] = {}   # task setting -> shard.ShardConverter (imported late: torch)
 
     def get(self, task: Task):
         from .shard import ShardConverter
@@ -187,7 +189,8 @@ class _Converters:
             stride, per_layer = task.sample_stride, task.sample_per_layer
             cpu = self.device.startswith("cpu")
             self.cache[key] = ShardConverter(
-                requantizer(self.device, optimum_qmin(task.scale_rule)), self.device, task.batch_groups or (CPU_BATCH_GROUPS if cpu else 1 << 21),
+                requantizer(self.device, task.scale_rule.qmin), self.device,
+                task.batch_groups or (CPU_BATCH_GROUPS if cpu else 1 << 21),
                 lambda c: c.expert is None or (per_layer > 0 and c.expert % stride == 0),
                 scale_shift=task.scale_shift, rule=task.scale_rule, server=server_requantizer(self.device),
                 **io_threads())
@@ -199,6 +202,7 @@ def _run(convs: _Converters, task: Task, put: Callable[[tuple[str, dict]], None]
     name = task.shard.name
     put(("start", {"shard": name, "device": convs.device}))
     try:
+        fetch_wait.wait(task.shard.sources)  # a Hub shard (or partner) still downloading: until it is there
         hashing = start_content_digest(task.shard.path)  # beside the conversion, which reads it too
         try:
             res = convs.get(task).convert(task.shard, task.dst, lambda n: put(("bytes", {"n": n})))
@@ -279,6 +283,12 @@ def _serve(device: str, share: int, parent: int, tasks, events) -> None:
     os._exit(0)
 
 
+def size_first(shard) -> int:
+    """The order workers take shards in (a sort key): the largest first, ties in the order given
+    (a Hub source's fetcher brings them in the same order: converter.hub_convert)."""
+    return -shard.bytes_in
+
+
 class Workers:
     """The run's workers, started at once; ``run`` feeds them shards and handles their events."""
 
@@ -300,7 +310,7 @@ class Workers:
 
     def run(self, tasks: list[Task], handle: Handler) -> None:
         """Convert every task (largest shard first); ``handle`` sees each event and may raise."""
-        tasks = sorted(tasks, key=lambda t: -t.shard.bytes_in)
+        tasks = sorted(tasks, key=lambda t: size_first(t.shard))
         if self.inline:
             convs = _Converters(self.devices[0])
             _warm_up(self.devices[0])
@@ -340,12 +350,4 @@ class Workers:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def raise_error(f: dict) -> None:
-    """An error event as the exception the CLI turns into its exit code."""
-    err = {BadInput.exit_code: BadInput, OutputError.exit_code: OutputError}.get(f.get("code"), ConvertError)(
-        f["message"])
-    err.file, err.tensor = f.get("file"), f.get("tensor")
-    raise err
 

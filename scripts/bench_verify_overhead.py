@@ -29,7 +29,7 @@ def old_rows(table: list[dict], path: str) -> dict:
     """The per-row loop as it was (for trees without ``verify.table_rows``)."""
     rows = {}
     for i, r in enumerate(table):
-        verify._typed(r, verify.ROW_TYPES, path, f"line {i + 1}")
+        verify.dst._typed(r, verify.ROW_TYPES, path, f"line {i + 1}")
         missing = [k for k in verify.ROW_TYPES if k not in r]
         if missing:
             raise verify.VerifyFailed(f"line {i + 1} has no {', '.join(missing)}", file=path)
@@ -58,8 +58,8 @@ def main() -> None:
     table = [{"name": f"t.{i}.weight_packed", "rel_rmse": 0.1, "max_abs": 0.01, "groups": 9} for i in range(a.rows)]
     rows_fn = getattr(verify, "table_rows", old_rows)
 
-    verify._name_matcher()  # imports compressed-tensors (seconds, once a process): not timed
-    t_index = cpu_seconds(lambda: verify._typed(index, verify.INDEX_TYPES, "index.json"), a.repeats)
+    verify.selection._name_matcher()  # imports compressed-tensors (seconds, once a process): not timed
+    t_index = cpu_seconds(lambda: verify.dst._typed(index, verify.INDEX_TYPES, "index.json"), a.repeats)
     t_rows = cpu_seconds(lambda: rows_fn(table, "k3convert_tensors.jsonl.zst"), a.repeats)
     t_sel = cpu_seconds(lambda: verify.selection_problems(blocks, converted, plain), a.repeats)
     assert verify.selection_problems(blocks, converted, plain) == []

@@ -8,7 +8,8 @@
 #                          compressed_tensors/utils.py and utils/config_utils.py (the target matcher:
 #                          tests/test_match.py), model_executor/utils.py (0.34's route:
 #                          tests/test_layout_kernel.py), and for 0.34 the files the upstream patch
-#                          applies to (tests/test_upstream_patch.py)
+#                          applies to (tests/test_upstream_patch.py); the model registry, config and
+#                          tokenizer files docs/deploy.md cites (tests/test_deploy_doc.py)
 #   amd-aiter 0.1.7.post2.dev18  aiter/ops/shuffle.py
 #   sglang 0.5.23          the WNA16 MoE and model files that decide how Ling's and GLM's swiglu
 #                          clamp reaches its kernels (tests/test_clamp_serving.py)
@@ -30,6 +31,10 @@ VLLM_FILES=(
   $CT/compressed_tensors.py
   vllm/model_executor/layers/quantization/utils/config_utils.py
   vllm/model_executor/utils.py
+  vllm/model_executor/models/registry.py
+  vllm/transformers_utils/config.py
+  vllm/tokenizers/registry.py
+  vllm/tokenizers/hf.py
 )
 VLLM034_FILES=(
   "${VLLM_FILES[@]}"

@@ -1,6 +1,6 @@
 """A local Hugging Face Hub for the tests and benchmarks: serves fixture repositories the way the Hub
 API does, so huggingface_hub (pointed at it with HF_ENDPOINT or ``endpoint=``) downloads from it
-unchanged. Loopback only (127.0.0.1), threads bounded by the requests in flight, and it stops
+unchanged. Loopback only (127.0.0.1), at most 32 requests handled at once, and it stops
 itself after ``lifetime`` seconds (a test that dies never leaves it listening).
 
 What huggingface_hub 2.x reads (file_download.py ``get_hf_file_metadata``, ``http_get``; hf_api.py
@@ -10,8 +10,8 @@ with ``X-Repo-Commit``, ``ETag`` (the LFS SHA-256, or the git blob id of a small
 ``X-Linked-Etag``/``X-Linked-Size`` for LFS files, and ``Range: bytes=a-b`` / ``a-`` (206, resumes).
 
 Faults for the tests: ``rate`` (bytes/s, shared by all downloads), ``corrupt`` (file names served with
-one byte flipped, the listing unchanged), ``drop_after`` (file -> bytes after which the connection
-is cut, once). ``requests`` records (method, path, Range) of every request.
+one byte flipped, the listing unchanged), ``gated`` (repos that answer 403 GatedRepo), ``drop_after``
+(file -> bytes after which the connection is cut, once). ``requests`` records (method, path, Range) of every request.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ class RepoFile:
     size: int
     sha256: str
     lfs: bool
+    etag: str      # the LFS SHA-256, or the git blob id of a small file
 
 
 @dataclass
@@ -54,13 +55,34 @@ def load_commit(folder: str, sha: str | None = None) -> Commit:
         for n in sorted(names):
             p = os.path.join(d, n)
             rel = os.path.relpath(p, folder).replace(os.sep, "/")
-            h = hashlib.sha256()
             with open(p, "rb") as f:
-                while b := f.read(1 << 20):
-                    h.update(b)
-            files[rel] = RepoFile(p, os.path.getsize(p), h.hexdigest(), rel.endswith(LFS_SUFFIXES))
+                data = f.read()
+            lfs = rel.endswith(LFS_SUFFIXES)
+            digest = hashlib.sha256(data).hexdigest()
+            files[rel] = RepoFile(p, len(data), digest, lfs, digest if lfs else _git_blob_id(data))
     sha = sha or hashlib.sha1("".join(f"{k}{v.sha256}" for k, v in sorted(files.items())).encode()).hexdigest()
     return Commit(sha, files)
+
+
+class _Bounded(ThreadingHTTPServer):
+    """At most MAX_THREADS requests handled at once; a further connection waits for a free thread."""
+
+    MAX_THREADS = 32
+    daemon_threads = True
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.slots = threading.BoundedSemaphore(self.MAX_THREADS)
+
+    def process_request(self, request, client_address):
+        self.slots.acquire()
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class _Limiter:
@@ -86,6 +108,7 @@ class HubServer:
     lifetime: float = 900.0
     repos: dict[str, dict[str, Commit]] = field(default_factory=dict)   # repo -> ref or sha -> commit
     corrupt: set[str] = field(default_factory=set)
+    gated: set[str] = field(default_factory=set)    # repos that answer 403 GatedRepo (terms not accepted)
     drop_after: dict[str, int] = field(default_factory=dict)
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     bytes_sent: dict[str, int] = field(default_factory=dict)
@@ -116,8 +139,7 @@ class HubServer:
             def do_GET(self):
                 server._handle(self, head=False)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Bounded(("127.0.0.1", 0), Handler)   # loopback only
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, name="hub-server", daemon=True).start()
         self.timer = threading.Timer(self.lifetime, self.stop)
@@ -167,6 +189,8 @@ class HubServer:
         with self.lock:
             self.requests.append(("HEAD" if head else "GET", path, rng))
         parts = path.strip("/").split("/")
+        if "/".join(parts[2:4] if parts[:2] == ["api", "models"] else parts[:2]) in self.gated:
+            return self._error(h, 403, "GatedRepo", head)
         if parts[:2] == ["api", "models"]:
             # /api/models/{org}/{name}[/revision/{rev}]
             repo = "/".join(parts[2:4])
@@ -212,11 +236,10 @@ class HubServer:
                 h.end_headers()
                 return
             status = 206
-        etag = f.sha256 if f.lfs else _git_blob_id(open(f.path, "rb").read())
         h.send_response(status)
         h.send_header("Content-Length", str(end - start + 1))
         h.send_header("Accept-Ranges", "bytes")
-        h.send_header("ETag", f'"{etag}"')
+        h.send_header("ETag", f'"{f.etag}"')
         h.send_header("X-Repo-Commit", c.sha)
         if f.lfs:
             h.send_header("X-Linked-Etag", f'"{f.sha256}"')

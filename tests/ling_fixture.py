@@ -101,6 +101,7 @@ def write(dst: str, seed: int = 0, mtp: bool = False, text: dict | None = None,
             out[f"{a}.{name}.weight"] = heavy_tailed(proj, conv).reshape(proj, 1, conv)
         out[f"{a}.A_log"], out[f"{a}.dt_bias"] = torch.randn(heads), torch.randn(proj)
         out[f"{a}.o_norm.weight"] = torch.ones(t["head_dim"], dtype=torch.bfloat16)
+
     def mla(a: str) -> None:
         fp8(f"{a}.q_proj", heads * (t["qk_nope_head_dim"] + t["qk_rope_head_dim"]), h)
         fp8(f"{a}.kv_a_proj_with_mqa", t["kv_lora_rank"] + t["qk_rope_head_dim"], h)

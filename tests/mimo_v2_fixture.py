@@ -56,36 +56,49 @@ def fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # a dense MLP, final_layernorm), which the main model's loader skips (mimo_v2.py 895) and whose
 # o_proj vLLM builds unquantized (299); the many-shard layout cuts shards in the middle of experts
 # (a weight in one file, its scale in the next).
+# MiMo-V2-Flash's attention shape at TP 8 (64 heads of 192 for q/k and 128 for v, 4 KV heads; here 8 heads):
+# q 192 rows a rank and one replicated KV head of 192 are not whole 128-blocks, so vLLM's compressed-tensors
+# FP8 scheme refuses the qkv_proj at TP 8 (issue 35 §2); the MLPs split into whole blocks and int4 groups
+FLASH_TP8 = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=192, v_head_dim=128,
+                 swa_num_attention_heads=8, swa_num_key_value_heads=4, swa_head_dim=192, swa_v_head_dim=128,
+                 intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=8)
 V26 = dict(add_swa_attention_sink_bias=True, attention_value_scale=0.707, swa_rope_theta=10000.0,
            num_nextn_predict_layers=1)
 
 
-def write(dst: str, seed: int = 0, v26: bool = False, shards: int = 1) -> dict[str, torch.Tensor]:
+def write(dst: str, seed: int = 0, v26: bool = False, shards: int = 1, text: dict | None = None,
+          originals: dict | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint in ``dst``; returns the float experts it packed, by module. ``v26``: MiMo-V2.6's
-    additions (V26); ``shards``: cut the tensors, in file order, into that many files with an index."""
+    additions (V26); ``shards``: cut the tensors, in file order, into that many files with an index;
+    ``text``: config fields to change (the tensors follow them); ``originals``: filled with each FP8
+    linear's float weight before FP8 (to measure FP8's own error)."""
+    t = {**TEXT, **(text or {})}
     torch.manual_seed(seed)
     os.makedirs(dst, exist_ok=True)
-    h, e, inter = TEXT["hidden_size"], TEXT["n_routed_experts"], TEXT["moe_intermediate_size"]
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": heavy_tailed(TEXT["vocab_size"], h).bfloat16(),
+    h, e, inter = t["hidden_size"], t["n_routed_experts"], t["moe_intermediate_size"]
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": heavy_tailed(t["vocab_size"], h).bfloat16(),
                                     "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-                                    "lm_head.weight": heavy_tailed(TEXT["vocab_size"], h).bfloat16()}
+                                    "lm_head.weight": heavy_tailed(t["vocab_size"], h).bfloat16()}
     experts = {}
 
     def fp8(module: str, rows: int, cols: int) -> None:
-        out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = fp8_block(heavy_tailed(rows, cols))
+        w = heavy_tailed(rows, cols)
+        if originals is not None:
+            originals[module] = w
+        out[f"{module}.weight"], out[f"{module}.weight_scale_inv"] = fp8_block(w)
 
-    for layer, moe in enumerate(TEXT["moe_layer_freq"]):
+    for layer, moe in enumerate(t["moe_layer_freq"]):
         p = f"model.layers.{layer}"
         out[f"{p}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         out[f"{p}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        n, kv, hd, vd = (TEXT[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "v_head_dim"))
+        n, kv, hd, vd = (t[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "v_head_dim"))
         for name, rows in (("q_proj", n * hd), ("k_proj", kv * hd), ("v_proj", kv * vd)):   # mimo_v2.py 284-301
             fp8(f"{p}.self_attn.{name}", rows, h)
         fp8(f"{p}.self_attn.o_proj", h, n * vd)
-        if v26 and TEXT["hybrid_layer_pattern"][layer]:
-            out[f"{p}.self_attn.attention_sink_bias"] = torch.zeros(TEXT["swa_num_attention_heads"])
+        if v26 and t["hybrid_layer_pattern"][layer]:
+            out[f"{p}.self_attn.attention_sink_bias"] = torch.zeros(t["swa_num_attention_heads"])
         if not moe:
-            d = TEXT["intermediate_size"]
+            d = t["intermediate_size"]
             fp8(f"{p}.mlp.gate_proj", d, h)
             fp8(f"{p}.mlp.up_proj", d, h)
             fp8(f"{p}.mlp.down_proj", h, d)
@@ -102,18 +115,18 @@ def write(dst: str, seed: int = 0, v26: bool = False, shards: int = 1) -> dict[s
         for norm in ("enorm", "hnorm", "input_layernorm", "pre_mlp_layernorm", "final_layernorm"):
             out[f"{m}.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
         fp8(f"{m}.eh_proj", h, 2 * h)
-        heads = TEXT["swa_num_attention_heads"] * TEXT["swa_head_dim"]
+        heads = t["swa_num_attention_heads"] * t["swa_head_dim"]
         for name in ("q_proj", "k_proj", "v_proj"):
             fp8(f"{m}.self_attn.{name}", heads, h)
         out[f"{m}.self_attn.o_proj.weight"] = heavy_tailed(h, heads).bfloat16()    # unquantized (mimo_v2.py 299)
-        out[f"{m}.self_attn.attention_sink_bias"] = torch.zeros(TEXT["swa_num_attention_heads"])
-        d = TEXT["intermediate_size"]
+        out[f"{m}.self_attn.attention_sink_bias"] = torch.zeros(t["swa_num_attention_heads"])
+        d = t["intermediate_size"]
         fp8(f"{m}.mlp.gate_proj", d, h)
         fp8(f"{m}.mlp.up_proj", d, h)
         fp8(f"{m}.mlp.down_proj", h, d)
     _save(dst, out, shards)
     with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump({**TEXT, **(V26 if v26 else {}), "quantization_config": dict(QUANT)}, f, indent=2)
+        json.dump({**t, **(V26 if v26 else {}), "quantization_config": dict(QUANT)}, f, indent=2)
     return experts
 
 

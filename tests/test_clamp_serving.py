@@ -1,6 +1,6 @@
 """The experts' SwiGLU clamp of Ling-3.0 (per layer, ``expert_swiglu_limit_list``) and GLM-5.3
 (``swiglu_limit``) on each server's int4 MoE path, as ``verify --serving`` models it
-(converter/serving.py ``clamp_limits``, ``_sglang_clamp``, ``VLLM_CUDA_CLAMP``):
+(converter/servers/ ``clamp_limits``, ``_sglang_clamp``, ``VLLM_CUDA_CLAMP``):
 
 - vLLM 0.33.0 CUDA: MARLIN or TRITON, both apply the clamp (the default backends);
 - SGLang 0.5.23 ROCm (CompressedTensorsWNA16TritonMoE): Ling's limit arrives as gemm1_clamp_limit and

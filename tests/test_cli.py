@@ -317,7 +317,7 @@ def test_in_a_log_the_bar_is_plain_lines(fixture_src, tmp_path):
 
 def test_slow_steps_say_what_they_do_in_a_log(converted, tmp_path):
     """verify --source was silent for 7 s and then 15 s: each check says what it does while it runs."""
-    from converter.verify import config, redecode
+    from converter.verify import config
 
     fast = "import converter.progress as p; p.LINE_EVERY_S = 0.05"
     rc, out, err = _k3("verify", converted.dst, "--source", converted.src, prelude=fast)
@@ -326,7 +326,9 @@ def test_slow_steps_say_what_they_do_in_a_log(converted, tmp_path):
 
     said = {re.sub(r" \([\d.]+ s\)$", "", x) for x in err.splitlines()}
     assert said <= set(DOING.values()), said  # each line is a step and its time
-    assert {DOING[m] for m in (config, redecode)} <= said, err  # the slow ones here (compressed-tensors, torch)
+    # the slow one here: config imports compressed-tensors (and torch with it, so the re-decode after it
+    # may end within one interval and say nothing: not asserted)
+    assert DOING[config] in said, err
     assert "\r" not in err and out.splitlines()[-1] == "result: PASS"
 
 

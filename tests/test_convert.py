@@ -14,7 +14,7 @@ from compressed_tensors.quantization import QuantizationConfig
 from converter.errors import OutputError, ThresholdExceeded
 from converter.fixture import make_fixture
 from converter.formats import int4
-from converter.manifest import read_rows
+from converter.state.records import read_rows
 from converter.pipeline import Options, convert
 
 from conftest import (INDEX, MANIFEST, REPORT, SPEC, TABLE, all_tensors, assert_clean_error, chunked_sha256, ct_int4_q,

@@ -159,7 +159,7 @@ def test_vllms_load_time_refusals_for_glm5(done):
     """verify --serving's loader table (converter/servers/loaders.py): GLM-5.3's model asserts TP divides the
     heads (glm5next/common/model.py 765-768) and refuses any activation but silu (202-205, 243-247)."""
     from converter.servers import loaders
-    from converter.servers.releases.vllm_0_33 import RELEASE
+    from converter.releases.vllm_0_33 import RELEASE
     from converter.servers.topology import Topology
     cfg = read_json(os.path.join(done[1], "config.json"))
     assert loaders.refusals(cfg, Topology(2), RELEASE) == []

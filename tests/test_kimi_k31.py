@@ -11,7 +11,7 @@ import serving_rules as serving
 from conftest import ct_mxfp4_encode, read_json, run_cli, shard_names, sync_index, write_json
 from converter.errors import BadInput
 from converter.fixture import FixtureSpec, make_fixture
-from converter.manifest import MANIFEST
+from converter.state.files import MANIFEST
 from converter.pipeline import Options, convert
 
 # hidden and per-rank intermediate multiples of 128: sizes the plugin's kernel takes unpadded at TP 1

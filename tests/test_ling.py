@@ -84,7 +84,8 @@ def test_config_names_experts_and_fp8_linears_only(done):
 
 
 def test_verify_and_serving(done):
-    assert_verified_and_on_triton(*done, servers=("sglang-rocm",))
+    # the default release is vLLM 0.34, whose Ling experts run swiglustep (bailing_moe_v3.py 1205-1207)
+    assert_verified_and_on_triton(*done, servers=("sglang-rocm",), activation="swiglustep")
 
 
 def test_another_routed_experts_method_is_refused(done, tmp_path):
@@ -127,7 +128,7 @@ def test_vllms_load_time_refusals_for_ling(done):
     """verify --serving's loader table (converter/servers/loaders.py): Ling's MLA asserts TP divides the heads
     (bailing_moe_v3.py 480); the fixture's 2 heads load at TP 2, not at TP 4."""
     from converter.servers import loaders
-    from converter.servers.releases.vllm_0_33 import RELEASE
+    from converter.releases.vllm_0_33 import RELEASE
     from converter.servers.topology import Topology
     cfg = read_json(os.path.join(done[1], "config.json"))
     assert loaders.refusals(cfg, Topology(2), RELEASE) == []
@@ -175,3 +176,107 @@ def test_fp8_shared_experts_split_below_a_block_are_refused_at_that_tp(shared_tp
 def test_sglang_is_not_given_vllms_fp8_rule(shared_tp):
     import serving_rules as serving
     assert {r.rule: r for r in serving.rules(shared_tp["1x128"], "sglang-rocm", 2)}["loader"].ok
+
+
+# --- KDA layers (issue 35 §1): a source that keeps attention.b_proj out of FP8 -------------------------------
+
+def convert_kda(root, ignored=ling.B_IGNORED, before_the_fix: bool = False) -> tuple[str, str]:
+    """(src, dst) of a Ling with one KDA layer (layer 0); ``before_the_fix``: converted as k3convert did
+    before it wrote such layers' q/k/v as bf16 (every FP8 linear kept as FP8), the output vLLM loads wrong."""
+    from converter.servers import fp8_tp
+    src, dst = str(root / "src"), str(root / ("dst-old" if before_the_fix else "dst"))
+    if not os.path.exists(src):
+        ling.write(src, text=ling.KDA_TEXT, ignored=ignored)
+    with pytest.MonkeyPatch.context() as mp:
+        if before_the_fix:
+            mp.setattr(fp8_tp, "bf16_modules", lambda *a: set())
+        convert(src, dst, Options())
+    return src, dst
+
+
+@pytest.fixture(scope="module")
+def kda(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ling-kda")
+    src, dst = convert_kda(root)
+    return src, dst, convert_kda(root, before_the_fix=True)[1]
+
+
+KDA = "model.layers.0.attention"
+
+
+def test_kda_qkv_beside_a_bf16_b_proj_are_written_as_exact_bf16(kda):
+    """vLLM fuses q, k, v and b of a KDA layer into one qkvb_proj under compressed-tensors
+    (bailing_moe_v3.py 691, 710-720) and gives it the FP8 scheme only when all four are FP8 targets
+    (compressed_tensors/utils.py 133-176): with b_proj bf16 the layer is unquantized. So q/k/v are written
+    as bf16: their e4m3 values times the (power-of-two, ue8m0) block scales, exactly; b_proj byte-identical;
+    none of the four in the FP8 group; the manifest says which and why; verify --source passes."""
+    from converter.verify import verify
+    src, dst, _ = kda
+    before, after = all_tensors(src), all_tensors(dst)
+    for p in ("q_proj", "k_proj", "v_proj"):
+        w, s = before[f"{KDA}.{p}.weight"][1], before[f"{KDA}.{p}.weight_scale_inv"][1]
+        got = after[f"{KDA}.{p}.weight"][1]
+        per_block = s.double().repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]
+        exact = w.double() * per_block
+        assert got.dtype == torch.bfloat16 and torch.equal(got.double(), exact), p   # exact: ue8m0 scales
+        assert f"{KDA}.{p}.weight_scale" not in after
+    assert tensor_bytes(before[f"{KDA}.b_proj.weight"][1]) == tensor_bytes(after[f"{KDA}.b_proj.weight"][1])
+    cfg = read_json(os.path.join(dst, "config.json"))
+    targets = cfg["quantization_config"]["config_groups"]["group_1"]["targets"]
+    qkvb = ("q_proj", "k_proj", "v_proj", "b_proj")
+    assert not [t for t in targets if t.startswith(KDA) and t.rsplit(".", 1)[1] in qkvb]
+    assert {f"{KDA}.{p}" for p in ("f_proj", "g_proj", "o_proj")} <= set(targets)
+    record = read_json(os.path.join(dst, "k3convert_manifest.json"))["source"]["quantization"]["fp8_to_bf16"]
+    assert record["modules"] == [f"{KDA}.{p}" for p in ("k_proj", "q_proj", "v_proj")]
+    assert "vLLM fuses with a linear that is not FP8" in record["why"][0] and "exact when" in record["values"]
+    result = verify(dst, src)
+    assert result.ok, [p for c in result.checks for p in c.problems]
+    assert "3 of 3 FP8 linear(s) written as bf16" in {c.name: c for c in result.checks}["passthrough"].summary
+
+
+@pytest.mark.parametrize("vllm", ["0.33", "0.34"])
+def test_verify_serving_refuses_a_kda_layer_vllm_would_load_unscaled(kda, vllm):
+    """The output as k3convert wrote it before: verify --serving names the fused layer and why, at every TP,
+    for both releases; the fixed output passes."""
+    import serving_rules as serving
+    _, dst, old = kda
+    for tp in (1, 2):
+        loader = {r.rule: r for r in serving.rules(old, "vllm-rocm", tp, vllm=vllm)}["loader"]
+        assert not loader.ok
+        assert f"{KDA}.q_proj+k_proj+v_proj+b_proj: vLLM fuses these into one layer, unquantized because b_proj " \
+               "is not in the FP8 group, and loads the e4m3 values of q_proj, k_proj, v_proj with their " \
+               "weight_scale dropped" in loader.message, loader.message
+        assert f"vllm {vllm}.0 model_executor/models/bailing_moe_v3.py 691" in loader.detail
+        assert "_match_fused_layer" in loader.detail
+    assert all(r.ok for r in serving.rules(dst, "vllm-rocm", 1, vllm=vllm)), \
+        [r.message for r in serving.rules(dst, "vllm-rocm", 1, vllm=vllm) if not r.ok]
+    assert {r.rule: r for r in serving.rules(old, "sglang-rocm", 1)}["loader"].ok   # vLLM's fusion only
+
+
+def test_a_kda_layer_all_fp8_keeps_every_fp8_linear(tmp_path):
+    """b_proj FP8 too: the fused qkvb_proj takes the FP8 scheme (all four are targets): nothing is bf16."""
+    src, dst = convert_kda(tmp_path, ignored=())
+    targets = read_json(os.path.join(dst, "config.json"))["quantization_config"]["config_groups"]["group_1"]["targets"]
+    assert {f"{KDA}.{p}" for p in ("q_proj", "k_proj", "v_proj", "b_proj")} <= set(targets)
+    assert "fp8_to_bf16" not in read_json(os.path.join(dst, "k3convert_manifest.json"))["source"]["quantization"]
+    assert all(r.ok for r in __import__("serving_rules").rules(dst, "vllm-rocm", 1))
+
+
+def test_verify_catches_a_kda_bf16_value_that_is_not_the_fp8_value(kda, tmp_path):
+    """verify --source re-derives each FP8 linear written as bf16 from the source's e4m3 bytes and scales."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from converter.verify import verify
+    src, dst, _ = kda
+    copy = str(tmp_path / "dst")
+    shutil.copytree(dst, copy)
+    path = os.path.join(copy, "model.safetensors")
+    tensors = load_file(path)
+    tensors[f"{KDA}.k_proj.weight"][3, 5] *= 2
+    save_file(tensors, path, metadata={"format": "pt"})
+    result = verify(copy, src, sample=None, checksums=False)
+    problems = [p for c in result.checks if c.name == "passthrough" for p in c.problems]
+    assert problems == [f"{KDA}.k_proj.weight: 1 value(s) differ from the FP8 values of {KDA}.k_proj.weight times "
+                        f"{KDA}.k_proj.weight_scale_inv"], problems

@@ -25,7 +25,7 @@ import pytest
 from conftest import (INDEX, MANIFEST, REPORT, TABLE, assert_clean_error, assert_not_complete, chunked_sha256,
                       read_json, rewrite_shard, run_cli, shard_names, tree_hash, write_json)
 
-from converter import manifest as manifest_mod
+from converter.state import records as manifest_mod
 from converter import pipeline
 from converter.errors import BadInput
 from converter.fixture import FixtureSpec, make_fixture

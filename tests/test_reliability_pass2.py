@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from converter.manifest import MANIFEST, read_json
+from converter.state.files import MANIFEST
+from converter.state.records import read_json
 
 from conftest import assert_clean_error, expert_modules, rewrite_shard, run_cli, shard_names, sync_index
 

@@ -11,7 +11,8 @@ import subprocess
 
 import pytest
 
-from converter.manifest import MANIFEST, read_json
+from converter.state.files import MANIFEST
+from converter.state.records import read_json
 from converter.profiles import bundled_dir
 
 from conftest import assert_clean_error, run_cli

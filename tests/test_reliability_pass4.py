@@ -16,7 +16,8 @@ import pytest
 
 from converter import pipeline, workers
 from converter.errors import BadInput
-from converter.manifest import MANIFEST, STATE_DIR, reading
+from converter.state.files import MANIFEST, STATE_DIR
+from converter.state.locks import reading
 from converter.pipeline import Options, convert, finalize, select_shards
 
 from conftest import SPEC, assert_clean_error, read_json, run_cli, tree_hash

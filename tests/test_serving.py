@@ -23,7 +23,7 @@ from compressed_tensors.quantization.quant_scheme import W4A16
 
 import serving_rules as serving
 from converter.servers import loaders
-from converter.servers.releases import VLLM
+from converter.releases import VLLM
 from converter.servers import check
 from converter.servers.rules import RULES, SERVERS, ServingRequest
 from serving_rules import rules as check_serving, rules_of as evaluate

@@ -21,9 +21,11 @@ from converter.fixture import FixtureSpec, make_fixture
 from converter.formats import mxfp4
 from converter.inspect import inspect_path
 from converter.digest import file_digest
-from converter.manifest import MANIFEST, read_rows, write_json, write_rows
+from converter.state.files import MANIFEST
+from converter.state.records import read_rows, write_json, write_rows
 from converter.plan import build_plan
-from converter.verify import _all_bf16_scales, brute_force_min, spread, verify
+from converter.verify import brute_force_min, spread, verify
+from converter.verify.optimum import _all_bf16_scales
 
 INDEX = "model.safetensors.index.json"
 TABLE = "k3convert_tensors.jsonl.zst"
@@ -343,7 +345,8 @@ def test_inspect_other_format(converted, tmp_path):
 def test_fast_type_pass_agrees_with_the_detailed_one():
     """verify's fast pass (``_conforms``) says fine exactly where ``type_problems`` finds nothing."""
     from converter.formats.json_input import ListOf, MapOf, Nullable, type_problems
-    from converter.verify import INDEX_TYPES, MANIFEST_TYPES, ROW_TYPES, _conforms
+    from converter.verify import INDEX_TYPES, MANIFEST_TYPES, ROW_TYPES
+    from converter.verify.dst import _conforms
 
     cases = [
         (INDEX_TYPES, {"metadata": {"total_size": 5}, "weight_map": {"a": "s1", "b": "s2"}}),

@@ -5,7 +5,7 @@ the routed experts get ``CompressedTensorsWNA16MoEMethod`` and ask the int4 back
 with the text config's swiglu_limit 10.0 (FusedMoE's swiglu_limit, model.py 277, 325; the WNA16 method
 hands it to the kernel config as gemm1_clamp_limit, compressed_tensors_moe_wna16.py 497-509; TRITON
 applies it, triton_moe.py 219-225) and uint4b8 group-32 symmetric weights (TRITON on gfx942 in
-converter/serving.py's model of the oracle); KDA and MLA attention, dense and shared-expert MLPs,
+converter/servers/'s model of the oracle); KDA and MLA attention, dense and shared-expert MLPs,
 router, vision tower and head stay unquantized. The one stand-in: the CPU has no sparse MLA, so the
 MLA layer is built as vLLM's full-MLA variant (index_topk None, model.py 712-722); the MoE does not
 read it. Needs K3CONVERT_VLLM_PYTHON (skips without it, fails under K3CONVERT_REQUIRE_VLLM=1).

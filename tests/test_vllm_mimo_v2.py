@@ -1,7 +1,7 @@
 """vLLM's own MiMo-V2 class (``model_executor/models/mimo_v2.py``), built on the CPU from our
 output's config by ``tests/vllm_scripts/moe_model_quant_methods.py``: the routed experts get
 ``CompressedTensorsWNA16MoEMethod`` and ask the int4 backend oracle for silu with uint4b8 group-32
-symmetric weights (TRITON on gfx942 in converter/serving.py's model of that oracle); the FP8
+symmetric weights (TRITON on gfx942 in converter/servers/'s model of that oracle); the FP8
 linears, fused ones included (qkv_proj, gate_up_proj), get compressed-tensors' FP8 block method
 with the keys Fp8Config's block method has (e4m3 128x128 weights, dynamic 1x128 activations) and
 register ``weight_scale``, the name our output gives their scales; router, embeddings and head
@@ -71,7 +71,7 @@ def test_qkv_split_below_a_block_is_refused_as_vllm_does(tmp_path, monkeypatch):
     merged layer whose per-rank outputs are not whole blocks is let through (linear.py 562-581);
     under our compressed-tensors output it is refused (fp8_utils.py 1296-1344): with head_dim 192,
     TP 2 gives 192-row q and k partitions. vLLM's own classes at faked TP 1 and 2 refuse exactly what
-    converter/fp8_tp.py names (the qkv_proj of every layer at TP 2, nothing at TP 1)."""
+    converter/servers/fp8_tp.py names (the qkv_proj of every layer at TP 2, nothing at TP 1)."""
     from test_vllm_ling import assert_fp8_refusals_are_vllms
     monkeypatch.setitem(mimo.TEXT, "head_dim", 192)
     monkeypatch.setitem(mimo.TEXT, "swa_head_dim", 192)
@@ -80,3 +80,27 @@ def test_qkv_split_below_a_block_is_refused_as_vllm_does(tmp_path, monkeypatch):
     convert(src, dst, Options())
     refused = assert_fp8_refusals_are_vllms("mimo_v2", dst, (1, 2), tmp_path)
     assert not refused[1] and sorted(refused[2]) == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(3)]
+
+
+def test_the_tp8_opt_in_loads_at_tp_8_in_vllms_own_class_with_the_outputs_values(tmp_path):
+    """Issue 35 §2. MiMo-V2-Flash's attention shape (mimo_v2_fixture.FLASH_TP8): vLLM's own classes at faked
+    TP 8 refuse the default output's qkv_proj of every layer and nothing of the --fp8-bf16-at-tp 8 output, as
+    converter/servers/fp8_tp.py says; built at TP 1 and loaded by its own load_weights, the opt-in output's
+    qkv_proj is unquantized and holds the bf16 values, every other linear the output's bytes and scales."""
+    from test_vllm_ling import assert_fp8_refusals_are_vllms, linear_values
+    from test_vllm_quant_methods import vllm_python
+    vllm_python()
+    src = str(tmp_path / "src")
+    mimo.write(src, text=mimo.FLASH_TP8)
+    plain, tp8 = str(tmp_path / "dst"), str(tmp_path / "dst-tp8")
+    convert(src, plain, Options())
+    convert(src, tp8, Options(fp8_bf16_tp=8))
+    refused = assert_fp8_refusals_are_vllms("mimo_v2", plain, (1, 8), tmp_path)
+    assert not refused[1] and sorted(refused[8]) == [f"model.layers.{i}.self_attn.qkv_proj" for i in range(3)]
+    assert not any(assert_fp8_refusals_are_vllms("mimo_v2", tp8, (1, 8), tmp_path).values())
+    linears = linear_values("mimo_v2", tp8, tmp_path)
+    assert all(v["ok"] for v in linears.values()), {k: v for k, v in linears.items() if not v["ok"]}
+    for i in range(3):
+        qkv = linears[f"model.layers.{i}.self_attn.qkv_proj"]
+        assert qkv["kind"] != "fp8" and qkv["source_dtypes"] == ["torch.bfloat16"] * 3
+    assert sum(v["kind"] == "fp8" for v in linears.values()) == 3 + 2   # o_proj per layer, the dense MLP

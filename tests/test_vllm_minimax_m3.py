@@ -2,7 +2,7 @@
 output's config by ``tests/vllm_scripts/moe_model_quant_methods.py``: the routed experts get
 ``CompressedTensorsWNA16MoEMethod`` and ask the int4 backend oracle for swigluoai_uninterleave with
 MiniMax's alpha 1.702, beta 1.0 (vLLM's default: the config omits it), limit 7.0 and uint4b8
-group-32 symmetric weights (TRITON on gfx942 in converter/serving.py's model of the oracle);
+group-32 symmetric weights (TRITON on gfx942 in converter/servers/'s model of the oracle);
 every other module (attention, dense and shared-expert MLPs, router, vision tower, head) stays
 unquantized, as in the source (for amd-quark's template export, whose shared experts and dense MLPs
 are MXFP4, as the exact bf16 we write). vLLM asked the experts' scheme under gate/up/down_proj only.

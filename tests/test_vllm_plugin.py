@@ -273,7 +273,7 @@ def k3(weights_overrides=None, group_overrides=None, text_overrides=None, model_
 @pytest.mark.parametrize("version", ["0.34.0", "0.34.2+rocm7.1", "0.33.1"])
 def test_route_claims_k3_and_k31_on_every_proven_release(model_type, version):
     """Kimi K3.1 (kimi_k31) is built on K3's classes from vLLM 0.34 on; every 0.33.x and 0.34.x build
-    is a proven release (converter/servers/releases)."""
+    is a proven release (converter/releases)."""
     quant, cfg = k3(model_type=model_type)
     machine = dataclasses.replace(GOOD, vllm_version=version)
     if model_type == "kimi_k31" and version.startswith("0.33"):

@@ -132,7 +132,7 @@ def test_ours_int4_experts_and_nothing_else(cases):
 
 def test_ours_asks_for_situ_with_its_betas(cases):
     """The kernel oracle is asked for SiTU with K3's betas and int4 group-32 symmetric weights:
-    what converter/serving.py models the backends' answers from."""
+    what converter/servers/ models the backends' answers from."""
     asked = cases["ours"]["oracle_asked"]
     assert len(asked) == 3
     for a in asked:

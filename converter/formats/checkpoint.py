@@ -13,14 +13,24 @@ import math
 import os
 from typing import Any
 
-from ..errors import BadInput
 from .. import activation_fields as activation_reader
+from ..errors import BadInput
 from ..safepath import plain_name, source_file
-from . import compressed_tensors, fp8_mxfp4, json_input, quark  # noqa: F401  (importing a dialect registers it)
-from .dialect import (DIALECTS, DROP_FLAG, EXPERT_TARGET, MXFP4_FORMAT, PACKED, SCALE, SHAPE, MXFP4Source,  # noqa: F401
-                      dotted, named, quant_blocks)
+from . import auto_round, compressed_tensors, fp8_mxfp4, json_input, nvfp4, quark  # noqa: F401  (importing a dialect registers it)
+from .dialect import (  # noqa: F401
+    DIALECTS,
+    DROP_FLAG,
+    EXPERT_TARGET,
+    MXFP4_FORMAT,
+    PACKED,
+    SCALE,
+    SHAPE,
+    MXFP4Source,
+    dotted,
+    named,
+    quant_blocks,
+)
 from .match import match_name  # noqa: F401
-
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -63,6 +73,9 @@ def dialect(config: dict, config_path: str) -> str:
     for p, b in blocks:
         if p in claimed and claimed[p].is_mxfp4(b):
             return claimed[p].name
+    if fp4 := [p for p, b in blocks if nvfp4.is_nvfp4(b)]:
+        raise BadInput(f"{dotted(fp4[0])} describes NVFP4 weights (E2M1 with FP8 scales per 16), not MXFP4: "
+                       "mxfp4-to-int4 does not convert NVFP4 checkpoints yet (docs/nvfp4.md)", file=config_path)
     if names == {"quark"}:
         return "quark"  # its reader names what is not MXFP4
     p, b = blocks[0]

@@ -6,15 +6,26 @@ targets and ignore list; which E8M0 bias the bytes carry follows its ``version``
 """
 from __future__ import annotations
 
-import copy
 import functools
 import json
 from dataclasses import dataclass
 
 from ..errors import BadInput
+from .dialect import (
+    DEFAULT_RULE,
+    MXFP4_FORMAT,
+    PACKED,
+    Dialect,
+    MXFP4Source,
+    dotted,
+    drop_or_refuse,
+    int4_block,
+    int4_targets,
+    quant_blocks,
+    register,
+    with_blocks,
+)
 from .json_input import ListOf, MapOf, Nullable, type_problems
-from .dialect import (DEFAULT_RULE, MXFP4_FORMAT, PACKED, Dialect, MXFP4Source, dotted, drop_or_refuse,
-                      int4_block, int4_targets, quant_blocks, register)
 from .match import LINEAR, CtRule
 
 
@@ -39,15 +50,10 @@ class CompressedTensorsSource(MXFP4Source):
         """Every MXFP4 block replaced (kv-cache and MoE-sparsity kept); targets name exactly the
         converted modules, and the ignore list is the source's less what vLLM would misread
         (``int4_targets``)."""
-        out = copy.deepcopy(config)
-        for path in self.blocks:
-            parent = out
-            for key in path[:-1]:
-                parent = parent[key]
-            old = parent[path[-1]]
+        def make(old: dict) -> dict:
             keep = {k: old[k] for k in ("kv_cache_scheme", "moe_sparsity_config") if old.get(k) is not None}
-            parent[path[-1]] = int4_block(*int4_targets(converted, unconverted, old.get("ignore") or []), keep, rule)
-        return out
+            return int4_block(*int4_targets(converted, unconverted, old.get("ignore") or []), keep, rule)
+        return with_blocks(config, self.blocks, make)
 
 
 # compressed-tensors versions whose MXFP4 scale bytes are not OCP E8M0 (docs/mxfp4_dialects.md)

@@ -7,8 +7,9 @@ formats apart.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..errors import BadInput
 from ..quant.rules import DEFAULT as DEFAULT_RULE, RULE_KEY
@@ -121,7 +122,8 @@ def vllm_lookup_name(expert_module: str) -> str:
     return f"{layer}.0.{VLLM_PROJ.get(proj, proj)}"
 
 
-def int4_targets(converted: list[str], kept: list[str], inherited_ignore: list[str] = ()) -> tuple[list[str], list[str]]:
+def int4_targets(converted: list[str], kept: list[str], inherited_ignore: Sequence[str] = ()
+                 ) -> tuple[list[str], list[str]]:
     """targets and ignore that select exactly the converted modules, both for compressed-tensors
     on the checkpoint's names and for vLLM on its own (fused layers, MTP, vLLM's expert names):
     routed experts by one pattern, any other converted module by exact name, never a class name.
@@ -134,6 +136,18 @@ def int4_targets(converted: list[str], kept: list[str], inherited_ignore: list[s
     kept_experts = [m for m in kept if match_name(m, EXPERT_TARGET)]
     ignore += sorted({*kept_experts, *(vllm_lookup_name(m) for m in kept_experts)} - set(ignore))
     return ([EXPERT_TARGET] if experts else []) + others, ignore
+
+
+def with_blocks(config: dict, paths: Sequence[tuple[str, ...]], make: Callable[[dict], dict]) -> dict:
+    """A copy of ``config`` whose quantization blocks at ``paths`` are ``make(old block)``: how every
+    dialect writes the output's config (the rest of config.json kept as it is)."""
+    out = copy.deepcopy(config)
+    for path in paths:
+        parent = out
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = make(parent[path[-1]])
+    return out
 
 
 def int4_block(targets: list[str], ignore: list[str], keep: dict[str, Any] | None = None,

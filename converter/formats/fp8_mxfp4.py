@@ -2,8 +2,8 @@
 ``store_dtype: mxfp4``, ``mxfp4_block_size: 32``; Ling-3.0-flash-fp4: ``quant_method: fp8``,
 ``scale_fmt: ue8m0``, ``routed_experts_quant_method: mxfp4``), registered as the dialect "fp8-mxfp4".
 
-Ling (vLLM's ``models/bailing_moe_v3.py``; lines in docs/serving.md): ``_configure_ling_fp8_quant_config`` (222-260) sets
-``store_dtype = "mxfp4"`` when ``routed_experts_quant_method == "mxfp4"`` and ``is_scale_e8m0`` when
+Ling (vLLM's ``models/bailing_moe_v3.py``; lines in docs/serving.md): ``_configure_ling_fp8_quant_config`` (222-260)
+sets ``store_dtype = "mxfp4"`` when ``routed_experts_quant_method == "mxfp4"`` and ``is_scale_e8m0`` when
 ``scale_fmt == "ue8m0"`` (the FP8 linears' ``weight_scale_inv`` are then F8_E8M0, ``fp8.py`` 330-339);
 its experts' E8M0 scales are ``X.weight_scale_inv``, renamed to ``weight_scale`` at load (263-281).
 
@@ -24,19 +24,30 @@ name it has no parameter for (958-960, 979-980), so each ``weight_scale_inv`` is
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import BadInput
-from .dialect import (DEFAULT_RULE, EXPERT_TARGET, SCALE, Dialect, MXFP4Source, dotted, fp8_block_group,
-                      int4_block, int4_targets, quant_blocks, register)
+from .dialect import (
+    DEFAULT_RULE,
+    EXPERT_TARGET,
+    SCALE,
+    Dialect,
+    MXFP4Source,
+    dotted,
+    fp8_block_group,
+    int4_block,
+    int4_targets,
+    quant_blocks,
+    register,
+    with_blocks,
+)
 from .match import match_name
 
 FP8_SCALE, CT_SCALE = ".weight_scale_inv", "." + SCALE
 BF16_VALUES = ("each e4m3 value times its block's fp32 scale in fp32, rounded to bf16 (round to nearest even): exact "
-               "when the block scales are powers of two (scale_fmt ue8m0), else within 2^-8 of the value, relative (bf16's "
-               "unit roundoff), against e4m3's own 2^-4")
+               "when the block scales are powers of two (scale_fmt ue8m0), else within 2^-8 of the value, relative "
+               "(bf16's unit roundoff), against e4m3's own 2^-4")
 
 
 def _is_fp8(block: dict) -> bool:
@@ -50,7 +61,8 @@ def _ling(block: dict) -> bool:
 
 
 def _is_mxfp4_experts(block: dict) -> bool:
-    return _is_fp8(block) and (block.get("store_dtype") == "mxfp4" or block.get("routed_experts_quant_method") == "mxfp4")
+    return _is_fp8(block) and (block.get("store_dtype") == "mxfp4"
+                               or block.get("routed_experts_quant_method") == "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -69,7 +81,8 @@ class Fp8Mxfp4Source(MXFP4Source):
         the experts layer (``<layer>.experts``) or the module is ignored."""
         layer = module.rsplit(".", 2)[0]
         if self.ignore_suffix:
-            return match_name(module, EXPERT_TARGET) and not any(n.endswith(i) for n in (layer, module) for i in self.ignored)
+            return match_name(module, EXPERT_TARGET) and not any(n.endswith(i) for n in (layer, module)
+                                                                 for i in self.ignored)
         return match_name(module, EXPERT_TARGET) and layer not in self.ignored and module not in self.ignored
 
     def seen(self, tensors: Any) -> "Fp8Mxfp4Source":
@@ -84,8 +97,8 @@ class Fp8Mxfp4Source(MXFP4Source):
         compressed-tensors vLLM builds it unquantized and would load their e4m3 values unscaled, e.g.
         Ling's KDA qkvb_proj when the source keeps b_proj out of FP8); with ``tp`` also every FP8
         linear vLLM's compressed-tensors FP8 scheme refuses at TP ``tp`` (``--fp8-bf16-at-tp``)."""
+        from ..releases import NEWEST_VLLM
         from ..servers import fp8_tp
-        from ..servers.releases import NEWEST_VLLM
         from ..servers.topology import Topology
         linears = [n[: -len(".weight")] for n, t in tensors.items() if n.endswith(".weight") and len(t.shape) == 2]
         mixed = fp8_tp.bf16_modules(config, self.fp8_modules, linears)
@@ -93,7 +106,8 @@ class Fp8Mxfp4Source(MXFP4Source):
                "layer unquantized and load their e4m3 values unscaled)"] if mixed else []
         refused: set[str] = set()
         if tp is not None:
-            shapes = {m: tuple(tensors[f"{m}.weight"].shape) for m in self.fp8_modules}
+            weights = {m: tensors.get(f"{m}.weight") for m in self.fp8_modules}   # tensor_problems names a bad one
+            shapes = {m: tuple(w.shape) for m, w in weights.items() if w is not None and len(w.shape) == 2}
             refused = fp8_tp.refused_modules(config, shapes, self.weight_block, Topology(tp), NEWEST_VLLM) - mixed
             why.append(f"--fp8-bf16-at-tp {tp}: {len(refused)} FP8 linear(s) vLLM's compressed-tensors FP8 scheme "
                        f"refuses at TP {tp}")
@@ -148,16 +162,13 @@ class Fp8Mxfp4Source(MXFP4Source):
         names, ``compressed_tensors/utils.py`` 73-111); the rest (norms, router, embeddings, head)
         matches no target and loads as bf16, as it did under Fp8Config."""
         targets, ignore = int4_targets(converted, unconverted)
-        out = copy.deepcopy(config)
-        for path in self.blocks:
-            parent = out
-            for key in path[:-1]:
-                parent = parent[key]
+
+        def make(_old: dict) -> dict:
             block = int4_block(targets, ignore, rule=rule)
             if self.fp8_modules:
                 block["config_groups"]["group_1"] = fp8_block_group(list(self.fp8_modules), list(self.weight_block))
-            parent[path[-1]] = block
-        return out
+            return block
+        return with_blocks(config, self.blocks, make)
 
 
 def fp8_mxfp4_source(config: dict, config_path: str, drop: bool = False) -> Fp8Mxfp4Source:
@@ -185,7 +196,7 @@ def fp8_mxfp4_source(config: dict, config_path: str, drop: bool = False) -> Fp8M
     ignored = b.get("ignored_layers") or b.get("modules_to_not_convert") or []
     if not (isinstance(ignored, list) and all(isinstance(x, str) for x in ignored)):
         problems.append(f"{where}.ignored_layers is not a list of module names")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = found if isinstance(found := config.get("text_config"), dict) else config
     if (text.get("attention_projection_layout") or config.get("attention_projection_layout")) == "fused_qkv":
         problems.append("attention_projection_layout is 'fused_qkv': vLLM's MiMo loader shards that fused, "
                         "pre-chunked qkv_proj only under Fp8Config (mimo_v2.py 387-392 reads "
@@ -198,7 +209,7 @@ def fp8_mxfp4_source(config: dict, config_path: str, drop: bool = False) -> Fp8M
                           scale_note="OCP E8M0 (bias 127; vLLM Fp8Config " + (
                               "routed_experts_quant_method mxfp4, scales X.weight_scale_inv)" if ling
                               else "store_dtype mxfp4)"),
-                          renames=((FP8_SCALE, CT_SCALE),), ignored=tuple(ignored), weight_block=tuple(block),
+                          renames=((FP8_SCALE, CT_SCALE),), ignored=tuple(ignored), weight_block=tuple(block or ()),
                           ignore_suffix=ling)
 
 

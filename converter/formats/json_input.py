@@ -45,7 +45,7 @@ def loads(text: str, constants: bool = False) -> Any:
     """
     try:
         return json.loads(text, parse_int=_int, parse_float=_float,
-                          **({} if constants else {"parse_constant": _constant}))
+                          parse_constant=None if constants else _constant)
     except RecursionError:
         raise ValueError("nested too deeply") from None
 

@@ -16,9 +16,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadInput
+from .dialect import (
+    DEFAULT_RULE,
+    Dialect,
+    MXFP4Source,
+    dotted,
+    drop_or_refuse,
+    int4_block,
+    int4_targets,
+    quant_blocks,
+    register,
+    with_blocks,
+)
 from .json_input import ListOf, MapOf, Nullable, type_problems
-from .dialect import (DEFAULT_RULE, Dialect, MXFP4Source, dotted, drop_or_refuse, int4_block, int4_targets,
-                      quant_blocks, register)
 
 # per-module tensors that serve only activation / KV-cache quantization
 ACTIVATION_TENSORS = (".input_scale", ".output_scale", ".input_zero_point", ".output_zero_point")
@@ -63,13 +73,8 @@ class QuarkSource(MXFP4Source):
                     rule: str = DEFAULT_RULE) -> dict:
         """The Quark block replaced by compressed-tensors int4 whose targets and ignore select
         exactly the converted modules, under the checkpoint's names and vLLM's (``int4_targets``)."""
-        out = copy.deepcopy(config)
-        for path in self.blocks:
-            parent = out
-            for key in path[:-1]:
-                parent = parent[key]
-            parent[path[-1]] = int4_block(*int4_targets(converted, unconverted), rule=rule)
-        return out
+        block = int4_block(*int4_targets(converted, unconverted), rule=rule)
+        return with_blocks(config, self.blocks, lambda _old: copy.deepcopy(block))
 
 
 def _layer_configs(block: dict) -> list[tuple[str, dict]]:
@@ -109,7 +114,8 @@ def _spec(spec: Any) -> str:
         return "several specs (two-level quantization)"
     if spec and "dtype" not in spec:  # kv_cache_quant_config: {pattern: layer config}
         return ", ".join(f"{p}: {_spec(c.get('output_tensors') or {})}" for p, c in spec.items())
-    return f"{spec.get('dtype')} {spec.get('qscheme')}" + (f" group {spec['group_size']}" if spec.get("group_size") else "")
+    group = f" group {spec['group_size']}" if spec.get("group_size") else ""
+    return f"{spec.get('dtype')} {spec.get('qscheme')}" + group
 
 
 def _drop_or_refuse(where: str, spec: Any, drop: bool, dropped: list[dict], problems: list[str]) -> None:

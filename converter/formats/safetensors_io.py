@@ -11,8 +11,9 @@ import json
 import os
 import struct
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import BadInput
 from ..safepath import open_regular
@@ -74,7 +75,11 @@ def _json_object(pairs: list[tuple[str, object]]) -> dict | _Repeated:
     if len(d) == len(pairs):
         return d
     seen: set[str] = set()
-    return _Repeated(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    for k, _ in pairs:   # the first name seen twice
+        if k in seen:
+            break
+        seen.add(k)
+    return _Repeated(k)
 
 
 def _json_int(s: str) -> int | float:
@@ -136,7 +141,7 @@ def _parse_json(raw: bytes, path: str) -> dict:
     try:
         text = raw.decode("utf-8")  # json.loads(bytes) would also take UTF-16/32 and a BOM
         obj = json.loads(text, object_pairs_hook=_json_object, parse_float=_json_float,
-                         parse_constant=_json_constant, **({"parse_int": _json_int} if rare else {}))
+                         parse_constant=_json_constant, parse_int=_json_int if rare else None)
         if rare:
             _check_strings(obj if not isinstance(obj, _Repeated) else None)
     except (ValueError, RecursionError) as e:
@@ -248,9 +253,9 @@ def read_header(path: str | os.PathLike) -> Header:
     data_start = 8 + n
     tensors, spans = {}, []
     for name, t in obj.items():
-        dtype, shape, b, e = _entry(path, name, t)
-        tensors[name] = TensorInfo(name, dtype, shape, data_start + b, data_start + e, path)
-        spans.append((b, e, name))
+        dtype, shape, b, end = _entry(path, name, t)
+        tensors[name] = TensorInfo(name, dtype, shape, data_start + b, data_start + end, path)
+        spans.append((b, end, name))
     _check_tiling(path, spans, data_start, size)
     return Header(path, tensors, metadata, data_start, size)
 
@@ -323,8 +328,8 @@ class ShardWriter:
         self._left = dict(self._size)
         self._lock = threading.Lock()
         self._unsynced = 0
-        self._sync = None
-        self._hasher = None
+        self._sync: Future[None] | None = None
+        self._hasher: ChunkHasher | None = None   # set once the file is open
         self._fd = -1
         try:
             self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -354,6 +359,7 @@ class ShardWriter:
 
     def _account(self, offset: int, size: int) -> None:
         """Bytes on their way to the disk: hash the chunks they complete, flush every so often."""
+        assert self._hasher is not None   # __init__ sets it or raises
         self._hasher.written(offset, size)
         with self._lock:
             self._unsynced += size
@@ -370,7 +376,7 @@ class ShardWriter:
             self._left[name] = left - size
         self._pwrite(data, self._at[name] + offset)
 
-    def write_run(self, pieces: list[tuple[str, object]]) -> None:
+    def write_run(self, pieces: list[tuple[str, Any]]) -> None:
         """Write whole tensors that follow each other in the layout with one ``pwritev``: one
         file takes one write at a time (the kernel's inode lock), so fewer, larger calls win."""
         if not pieces:
@@ -393,6 +399,7 @@ class ShardWriter:
         if self._sync is not None:
             self._sync.result()
         os.fsync(self._fd)
+        assert self._hasher is not None   # __init__ sets it or raises
         digest = self._hasher.digest()
         os.close(self._fd)
         self._fd = -1

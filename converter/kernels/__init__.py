@@ -14,6 +14,7 @@ __all__ = ["requantizer", "server_requantizer"]
 
 def requantizer(device: str, qmin: int = -8) -> Callable:
     """The exact-optimum kernel for ``device``, over codes ``[qmin, 7]`` (``rules.optimum_qmin``)."""
+    requantize: Callable
     if device.startswith("cpu"):
         from ..quant.cpu_kernel import requantize
     else:

@@ -59,11 +59,10 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
-
 import triton
 import triton.language as tl
 
@@ -162,7 +161,7 @@ def _build_tables(qmin: int = QMIN) -> _HostTables:
     lowcand = np.array(low + [low[0]] * (NL - len(low)), dtype=np.int32)
     e22 = np.zeros((16, NL), dtype=np.int64)
     rel = codes_upto[5]
-    e22[rel, :] = _as_int(t.err2[np.ix_(rel, lowcand)] * 2.0 ** LOW_SHIFT, "low errors")
+    e22[rel, :] = _as_int(t.err2[np.ix_(np.asarray(rel), lowcand)] * 2.0 ** LOW_SHIFT, "low errors")
     digits = np.stack([e22 & 2047, (e22 >> 11) & 2047, e22 >> 22])
     assert np.all(digits < 2048)
     lowmask = np.zeros((8, NL), dtype=np.int32)
@@ -615,7 +614,7 @@ def prepare(
 
     def run() -> Result:
         stats_t.zero_()
-        run.compiled = _requant_kernel[(nprog,)](
+        run.compiled = _requant_kernel[(nprog,)](  # type: ignore[attr-defined]  # a function attribute
             words, packed, scales, out, out_scale,
             stats_t, stats_t.view(torch.int64), blk_tid, off,
             tabs["b1"], tabs["b2"], tabs["cand1"], tabs["cand2"], tabs["bl"], tabs["lowcand"],
@@ -626,7 +625,7 @@ def prepare(
         )
         return result
 
-    run.compiled = None  # Triton's compiled kernel (registers, spills), for reports
+    run.compiled = None  # type: ignore[attr-defined]  # Triton's compiled kernel (registers, spills), for reports
     return run
 
 
@@ -634,7 +633,7 @@ def requantize(
     packed: torch.Tensor,
     scales: torch.Tensor,
     offsets: list[int] | torch.Tensor | None = None,
-    **knobs: object,
+    **knobs: Any,
 ) -> Result:
     """Requantize a batch of tensors of ``G`` groups on ``packed.device`` (see module doc).
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 import triton
 import triton.language as tl
 
@@ -76,7 +75,8 @@ def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | 
     """The server's rule on ``G`` groups on ``packed.device`` (CUDA, ROCm, or the interpreter)."""
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8 or packed.dim() != 2 \
             or packed.shape[1] != 16 or scales.shape != packed.shape[:1]:
-        raise ValueError(f"expected uint8 packed [G, 16] and scales [G], got {tuple(packed.shape)}, {tuple(scales.shape)}")
+        raise ValueError("expected uint8 packed [G, 16] and scales [G], "
+                         f"got {tuple(packed.shape)}, {tuple(scales.shape)}")
     device, g = packed.device, packed.shape[0]
     offs = [0, g] if offsets is None else [int(x) for x in (
         offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets)]

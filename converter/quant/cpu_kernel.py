@@ -82,8 +82,8 @@ def _packed_tables(qmin: int = QMIN) -> tuple[np.ndarray, ...]:
         rows[:7, :len(ix)] = 8 * score[1:8]
         rows[7, :len(ix)] = 8 * (score[lv + 8] - score[lv])
         init = np.full(LANES * nb, PAD, dtype=np.int64)
-        init[:len(ix)] = np.arange(len(ix)) % nb  # candidate k = l * nb + b sits in block b
-        slot = np.array([l * nb + b for b in range(nb) for l in range(LANES)])
+        init[:len(ix)] = np.arange(len(ix)) % nb  # candidate k = lane * nb + b sits in block b
+        slot = np.array([lane * nb + b for b in range(nb) for lane in range(LANES)])
         r = rows[:, slot].reshape(TERMS, nb, LANES).transpose(1, 0, 2)
         pair = np.stack([r % SPLIT, r // SPLIT], axis=-1)  # [block, term, lane, (lo, hi)]
         assert np.abs(pair).max() < 1 << 15
@@ -394,7 +394,8 @@ def requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[int] | 
     """
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8 or packed.dim() != 2 \
             or packed.shape[1] != 16 or scales.shape != packed.shape[:1]:
-        raise ValueError(f"expected uint8 packed [G, 16] and scales [G], got {tuple(packed.shape)}, {tuple(scales.shape)}")
+        raise ValueError("expected uint8 packed [G, 16] and scales [G], "
+                         f"got {tuple(packed.shape)}, {tuple(scales.shape)}")
     offsets = list(offsets) if offsets is not None else [0, packed.shape[0]]
     p, s = np.ascontiguousarray(packed.numpy()), scales.numpy()
     if out is None:
@@ -433,7 +434,7 @@ def _matvec_error(packed, scales, out, out_scale, cols, x, lut):  # pragma: no c
         yq = 0.0
         for gi in range(gpr):
             g = r * gpr + gi
-            unit = math.ldexp(1.0, np.int64(scales[g]) - 127)
+            unit = math.ldexp(1.0, np.int64(scales[g]) - 127)  # type: ignore[arg-type]  # numba: an int64 is its int
             sq = out_scale[g]
             acc = 0.0
             accq = 0.0
@@ -467,7 +468,7 @@ def _matvec_errors2(packed, scales, out, out_scale, out2, out_scale2, cols, x, l
         yq2 = 0.0
         for gi in range(gpr):
             g = r * gpr + gi
-            unit = math.ldexp(1.0, np.int64(scales[g]) - 127)
+            unit = math.ldexp(1.0, np.int64(scales[g]) - 127)  # type: ignore[arg-type]  # numba: an int64 is its int
             acc = 0.0
             accq = 0.0
             accq2 = 0.0
@@ -578,7 +579,8 @@ def server_requantize(packed: torch.Tensor, scales: torch.Tensor, offsets: list[
     meaningless: its tensor is refused, and its figures left out)."""
     if packed.dtype != torch.uint8 or scales.dtype != torch.uint8 or packed.dim() != 2 \
             or packed.shape[1] != 16 or scales.shape != packed.shape[:1]:
-        raise ValueError(f"expected uint8 packed [G, 16] and scales [G], got {tuple(packed.shape)}, {tuple(scales.shape)}")
+        raise ValueError("expected uint8 packed [G, 16] and scales [G], "
+                         f"got {tuple(packed.shape)}, {tuple(scales.shape)}")
     offsets = list(offsets) if offsets is not None else [0, packed.shape[0]]
     if out is None:
         out = (torch.empty_like(packed, memory_format=torch.contiguous_format),

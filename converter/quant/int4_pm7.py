@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .rules import OPTIMA
+from .rules import OPTIMA, ScaleRule
 
-QMIN = OPTIMA["optimal-pm7"]   # -7
+QMIN = OPTIMA[ScaleRule.OPTIMAL_PM7]   # -7
 QMAX = 7
 CODES = torch.arange(-8, 9)    # |s| folds a negative scale's sign into the codes: -q may be +8
 LO, HI = 0, 384                # candidate bit offsets from bits(|s|) (see the module docstring)

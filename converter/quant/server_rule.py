@@ -1,4 +1,5 @@
-"""The server's load-time int4 rule (vLLM 0.33 on gfx942), as tables: ``--scale-rule vllm-gfx942``.
+"""The server's load-time int4 rule (vLLM 0.33 and 0.34 on gfx942, the same aiter per_1x32_i4_quant), as tables:
+``--scale-rule vllm-gfx942``.
 
 vLLM's ``_setup_kernel_k3_situ_gfx942`` dequantizes MXFP4 to bf16 and calls aiter's
 ``per_1x32_i4_quant`` (docs/maths.md, "The server's load-time rule"). Every step is
@@ -77,7 +78,8 @@ def server_tables() -> ServerTables:
     q, scale = server_ops(w)
     ok = torch.isfinite(w.float()).all(dim=1) & torch.isfinite(scale.float())
     q = torch.where(allowed & ok[:, None], q[:, :16], torch.zeros_like(q[:, :16]))
-    v = torch.as_tensor(E2M1_VALUES)[None, :] * torch.ldexp(torch.ones(ROWS, dtype=torch.float64), s.double() - 127)[:, None]
+    v = (torch.as_tensor(E2M1_VALUES)[None, :]
+         * torch.ldexp(torch.ones(ROWS, dtype=torch.float64), s.double() - 127)[:, None])
     d = q.double() * scale.double()[:, None] - v
     d = torch.where(allowed & ok[:, None], d, torch.zeros_like(d))
     return ServerTables(

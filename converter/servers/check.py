@@ -10,12 +10,12 @@ from typing import Callable, Mapping
 
 from ..checks import Check
 from ..formats.safetensors_io import TensorInfo
+from ..releases import Family
 from . import fp8_tp, headers, sglang, vllm
 from .context import Context
 from .headers import DTYPES, GROUP
 from .loaders import refusals as loader_refusals
 from .memory import Fit, expert_memory, experts_of, fit, kimi_fused, kimi_min_per_rank, rest_bytes
-from .releases import Family
 from .rules import RULES, TOPOLOGY_RULES, Problem, RuleResult, ServingRequest, Verdict, result
 from .topology import SPLITS, Topology
 
@@ -109,6 +109,12 @@ def _evaluate(ctx: Context, topo: Topology) -> list[RuleResult]:
     moving, verdict = topology_problems(ctx, topo)
     notes = {"names": headers.class_target_note(ctx.config, ctx.server.family), "kernel": verdict.summary}
     return [result(RULES[rid], ctx.fixed[rid] + moving.get(rid, []), notes.get(rid) or "") for rid in RULES]
+
+
+def evaluate_at(ctx: Context, topo: Topology) -> list[RuleResult]:
+    """The rule results at ``topo`` against a context built once (``context``): many launches, one
+    read of the headers (the model card checks several; converter.launches)."""
+    return _evaluate(ctx, topo)
 
 
 def evaluate(config: dict | None, tensors: Mapping[str, TensorInfo], request: ServingRequest) -> list[RuleResult]:

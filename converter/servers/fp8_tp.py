@@ -16,6 +16,14 @@ layer class it is built as (``Linear``), with the file and line. A module fused 
 (``gate_proj`` + ``up_proj``) is a merged layer only when a sibling is in the FP8 group too (Ling's
 MLA ``q_proj`` is alone, its KDA ``q_proj`` is fused with ``k_proj``/``v_proj``). Sizes come from the
 tensors' headers (``X.weight`` e4m3 ``[out, in]``), the block from the group's ``block_structure``.
+
+The same table says which layers vLLM fuses, whatever their quantization: a fused layer takes the FP8
+group's scheme only when every shard is a target (``compressed_tensors/utils.py`` 133-176), else it
+is built unquantized and loads an FP8 shard's e4m3 values with its scale dropped (``mixed_fusions``:
+Ling's KDA ``qkvb_proj`` when the source keeps ``b_proj`` out of FP8, ``bailing_moe_v3.py`` 691,
+710-720). verify refuses such an output (``fused_refusals``); the converter writes those FP8 shards
+as bf16 (``bf16_modules``), and with ``--fp8-bf16-at-tp N`` every FP8 linear refused at TP N
+(``refused_modules``), so the output loads there.
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Mapping
 
-from .releases import Release
+from ..releases import Release
 from .topology import Topology
 
 
@@ -89,7 +97,7 @@ KV_HEADS: dict[str, Callable[[Mapping[str, Any], int], int | None]] = {"mimo_v2_
 def _table(config: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Linear] | None]:
     """(the text config, the model type's LINEARS table or None)."""
     config = dict(config or {})
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = found if isinstance(found := config.get("text_config"), dict) else config
     types = [t for t in (config.get("model_type"), text.get("model_type")) if isinstance(t, str)]
     return text, next((LINEARS[t] for t in types if t in LINEARS), None)
 
@@ -132,11 +140,12 @@ def fused_refusals(config: Mapping[str, Any] | None, fp8: Collection[str], modul
     out = []
     for parent, quant, other in mixed_fusions(config, fp8, modules):
         cites = [release.cite("fp8.fused-mixed")]
-        if "b_proj" in table[quant[0]].fused:
+        if table is not None and "b_proj" in table[quant[0]].fused:   # mixed_fusions: none without a table
             cites.insert(0, release.cite("fp8.ling.kda-fused"))
         out.append((f"{parent}.{'+'.join(quant + other)}: vLLM fuses these into one layer, unquantized because "
                     f"{', '.join(other)} {'is' if len(other) == 1 else 'are'} not in the FP8 group, and loads the "
-                    f"e4m3 values of {', '.join(quant)} with their weight_scale dropped (silently wrong weights)",
+                    f"e4m3 values of {', '.join(quant)} with their weight_scale dropped (silently wrong weights, at "
+                    "every TP): convert again, k3convert now writes them as bf16",
                     "; ".join(cites)))
     return out
 
@@ -241,7 +250,7 @@ def ling_padded(config: Mapping[str, Any] | None, tp: int, block: tuple[int, int
     """(shared-expert intermediate, what vLLM pads it to) when the FP8 source would be padded at ``tp``
     and our output is not (None when no padding was needed)."""
     config = dict(config or {})
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = found if isinstance(found := config.get("text_config"), dict) else config
     if not ({config.get("model_type"), text.get("model_type")} & {"bailing_moe_v3", "bailing_hybrid"}) or not block:
         return None
     size, n = text.get("moe_shared_expert_intermediate_size"), text.get("num_shared_experts")

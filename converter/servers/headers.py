@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ..errors import BadInput
-from ..formats import checkpoint as ckpt
-from ..formats import match
+from ..formats import checkpoint as ckpt, match
 from ..formats.dialect import is_fp8_block_group
 from ..formats.safetensors_io import TensorInfo, read_header
 from ..plan import PACKED, SCALE
-from .releases import Family, all_kimi_model_types
+from ..releases import Family, all_kimi_model_types
 
 BITS = 4
 GROUP = 32                       # k3convert's target; see rule group-size
@@ -279,15 +278,16 @@ def lookup_problems(config: dict | None, sizes: Mapping[str, tuple[int, int]], f
     for path, block in ckpt.quant_blocks(config or {}):
         if block.get("quant_method") != "compressed-tensors":
             continue
-        groups = block.get("config_groups") if isinstance(block.get("config_groups"), dict) else {}
+        groups = found if isinstance(found := block.get("config_groups"), dict) else {}
         targets = [t for g in groups.values() if isinstance(g, dict) for t in g.get("targets") or []
                    if isinstance(t, str)]
         ignore = [i for i in block.get("ignore") or [] if isinstance(i, str)]
         for layer in sorted(sizes):
-            whys = [match.experts_why_not(f"{layer}.0.{p}", MOE_CLASS[family], targets, ignore) for p in SCHEMES["proj"]]
+            whys = [match.experts_why_not(f"{layer}.0.{p}", MOE_CLASS[family], targets, ignore)
+                    for p in SCHEMES["proj"]]
             short = "…" + layer.rsplit(".", 1)[-1]      # the layer is named in the detail (--verbose)
             if all(whys):
-                out.append(f"{ckpt.dotted(path)}: {whys[0].replace(layer, short)}: the layer's experts load "
+                out.append(f"{ckpt.dotted(path)}: {(whys[0] or '').replace(layer, short)}: the layer's experts load "
                            f"unquantized")
             elif any(whys):
                 out.append(f"{ckpt.dotted(path)}: {next(w for w in whys if w).replace(layer, short)}, but not the "

@@ -2,7 +2,8 @@
 
 One table, ``LOADERS``: a model's ``model_type`` (top level or ``text_config``) -> the refusals its
 vLLM classes raise while the model is built, each a config field tested against the topology and
-the key of the release's citation (``releases/``) of the line that raises. `verify --serving vllm-*` runs them (rule ``loader``).
+the key of the release's citation (``releases/``) of the line that raises. `verify --serving vllm-*` runs them
+(rule ``loader``).
 
 To add a model: read its vLLM class's ``__init__`` (and its MoE, attention and MLP classes) for
 every ``raise`` / ``assert`` that depends on config or on the TP/DP/EP/PP sizes, and add one
@@ -21,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .releases import Release, all_kimi_model_types
+from ..releases import Release, all_kimi_model_types
 from .topology import Topology
 
 

@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from ..vllm_plugin import route as plugin_route
 from ..formats.safetensors_io import TensorInfo
+from ..vllm_plugin import route as plugin_route
 from .headers import W123_MODELS, Matrix, config_size, model_types
 from .topology import Topology, local_experts, pp_stages
 
@@ -114,7 +114,7 @@ def expert_memory(experts: Experts, topo: Topology, kimi_min: int = 0) -> Memory
         if e >= n:
             local, n, per_rank, inter_max = held, e, rank_inter, inter
     int4, bf16, layers = max(totals, key=lambda t: t[0])
-    return Memory(round(int4), round(bf16), layers, sum(t[2] for t in totals), local, n, per_rank, inter_max,
+    return Memory(round(int4), round(bf16), int(layers), sum(int(t[2]) for t in totals), local, n, per_rank, inter_max,
                   padded)
 
 

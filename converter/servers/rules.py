@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
+from ..releases import NEWEST_VLLM, SGLANG, VLLM, Family, Release, release_series
 from .headers import GROUP
 from .memory import ROCM_GPUS, UTILIZATION
-from .releases import NEWEST_VLLM, SGLANG, VLLM, Family, Release, release_series
 from .topology import Topology
 
 PLUGIN_METHOD = "k3convert-int4-gfx942 (converter/vllm_plugin)"
@@ -130,7 +130,8 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "set quant_method 'compressed-tensors' and format 'pack-quantized' (block and config_groups)"),
     Rule("num-bits", "weights.num_bits 4", "set weights.num_bits 4 (the shards hold eight 4-bit values per int32)"),
     Rule("type", "weights.type int", "set weights.type 'int'"),
-    Rule("symmetric", "weights.symmetric true", "set weights.symmetric true (zero point 8, no weight_zero_point tensors)"),
+    Rule("symmetric", "weights.symmetric true",
+         "set weights.symmetric true (zero point 8, no weight_zero_point tensors)"),
     Rule("strategy", "weights.strategy group", "set weights.strategy 'group'"),
     Rule("group-size", f"weights.group_size {GROUP}",
          f"convert with group size {GROUP} and set weights.group_size {GROUP}"),
@@ -141,8 +142,10 @@ RULES: dict[str, Rule] = {r.id: r for r in (
          "select the routed experts by a pattern that also matches <layer>.experts.0.gate_proj|up_proj|"
          "down_proj (k3convert writes re:.*\\.experts\\.\\d+\\.(w1|w2|w3|gate_proj|up_proj|down_proj)$) "
          "and ignore nothing that matches those names"),
-    Rule("packed", "weight_packed int32 [out, in/8]", "store weight_packed as int32 [out, in/8] (convert with k3convert)"),
-    Rule("scale-dtype", "weight_scale in the model dtype", "store weight_scale in the model dtype (config torch_dtype)"),
+    Rule("packed", "weight_packed int32 [out, in/8]",
+         "store weight_packed as int32 [out, in/8] (convert with k3convert)"),
+    Rule("scale-dtype", "weight_scale in the model dtype",
+         "store weight_scale in the model dtype (config torch_dtype)"),
     Rule("scale-shape", f"weight_scale [out, in/{GROUP}]", f"store weight_scale as [out, in/{GROUP}]"),
     Rule("expert-names", "experts named experts.E.w1/w2/w3 or gate_proj/up_proj/down_proj",
          "name routed experts <layer>.experts.E.w1 (gate), .w3 (up), .w2 (down)"),
@@ -210,7 +213,7 @@ class Verdict:
     def summary(self) -> str:
         return f"{self.kernel}{self.act}{self.memory}{self.said}{self.outcome}"
 
-    def amend(self, **parts: str | None) -> "Verdict":
+    def amend(self, **parts: Any) -> "Verdict":
         return dataclasses.replace(self, **parts)
 
 

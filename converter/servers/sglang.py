@@ -84,8 +84,8 @@ def verdict(ctx: Context, topo: Topology) -> Verdict:
     name = act["hidden_act"]
     rel = server.release
     if name == "situ" and act.get("activation_situ_beta") is None:
-        return Verdict(server.method, outcome=": SiTU", problem="hidden_act is situ but activation_situ_beta is missing",
-                       detail=rel.cite("situ.beta"))
+        return Verdict(server.method, outcome=": SiTU",
+                       problem="hidden_act is situ but activation_situ_beta is missing", detail=rel.cite("situ.beta"))
     if name != "silu":
         return Verdict(server.method, outcome=": asserts silu",
                        problem=f"{server.method} asserts activation == 'silu'; hidden_act is {name!r}",
@@ -94,5 +94,6 @@ def verdict(ctx: Context, topo: Topology) -> Verdict:
                               f"{rel.cite('kernel.asserts-silu.' + server.name)}): the first forward with "
                               f"hidden_act {name!r} raises AssertionError")
     mem = expert_memory(ctx.experts, topo)
-    base = Verdict(server.method, ", int4 Triton/Marlin kernel, silu", f": int4 as stored, {mem.int4 / 1e9:.3g} GB per rank")
+    base = Verdict(server.method, ", int4 Triton/Marlin kernel, silu",
+                   f": int4 as stored, {mem.int4 / 1e9:.3g} GB per rank")
     return _clamp(ctx, base)

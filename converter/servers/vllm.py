@@ -11,11 +11,11 @@ from typing import Iterable
 
 from ..errors import BadInput
 from ..formats import checkpoint as ckpt
+from ..releases import VLLM, MoeActivation, Release, all_kimi_model_types
 from ..vllm_plugin import route as plugin_route
 from .context import Context, activation
 from .headers import GROUP, model_types
 from .memory import Memory, expert_memory, kimi_fused, kimi_min_per_rank, kimi_padding
-from .releases import VLLM, MoeActivation, Release, all_kimi_model_types
 from .rules import TARGETS, Problem, Server, Verdict
 from .sglang import clamp_limits
 from .topology import Topology
@@ -142,7 +142,8 @@ def _plugin(ctx: Context, topo: Topology, a: _Asked) -> Verdict:
     try:
         name = plugin_route.decide(blocks[0] if blocks else None, None, config or {}, machine)
     except plugin_route.Refused as e:
-        return Verdict(server.method, outcome=": refused", problem=str(e), detail="converter/vllm_plugin/route.py decide")
+        return Verdict(server.method, outcome=": refused", problem=str(e),
+                       detail="converter/vllm_plugin/route.py decide")
     if name is None:
         stock = oracle(Server(TARGETS["vllm-rocm"], release), act["hidden_act"], mem, topo, marlin=False)
         return stock.amend(kernel=f"plugin stays out, stock vLLM: {stock.kernel}")
@@ -181,7 +182,8 @@ def verdict(ctx: Context, topo: Topology) -> Verdict:
     kimi_min = kimi_min_per_rank(ctx.config)
     mem = expert_memory(ctx.experts, topo, kimi_min)
     if act["hidden_act"] == "situ" and act.get("activation_situ_beta") is None:
-        return Verdict(server.method, outcome=": SiTU", problem="hidden_act is situ but activation_situ_beta is missing",
+        return Verdict(server.method, outcome=": SiTU",
+                       problem="hidden_act is situ but activation_situ_beta is missing",
                        detail=server.release.cite("situ.beta"))
     return TARGETS_VERDICT[server.name](ctx, topo, _Asked(act, name, hit, said, mem, kimi_min))
 
@@ -204,7 +206,7 @@ def model_problems(config: dict | None, tensors: Iterable[str], server: Server) 
         return [(f"{release.name} builds no model of model_type {model_type!r}"
                  + (f" (first in vLLM {first})" if first else ""), "transformers_utils/config.py, "
                  "model_executor/models/registry.py of that release")]
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    text = found if isinstance(found := cfg.get("text_config"), dict) else cfg
     if not server.target.target.startswith("ROCm") or facts.rocm_kimi_dsa or not text.get("dsa_config"):
         return []
     indexer = sorted(t for t in tensors if any(p in t for p in DSA_INDEXER))

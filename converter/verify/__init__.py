@@ -19,8 +19,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from ..checks import Check, VerifyResult
-from . import (checksums, config, figures, index, listing, manifest, passthrough, redecode, serving, situ,
-               source_files, source_identity, tensors)
+from . import (
+    checksums,
+    config,
+    figures,
+    index,
+    listing,
+    manifest,
+    passthrough,
+    redecode,
+    serving,
+    situ,
+    source_files,
+    source_identity,
+    tensors,
+)
 from .context import open_context
 
 if TYPE_CHECKING:
@@ -60,22 +73,23 @@ def verify(dst: str, source: str | None = None, sample: int | None = 8, *, check
             on_start(DOING[check])
         done = check.run(ctx)
         ctx.result.checks += done
-        for c in done if on_check is not None else ():
-            on_check(c)
+        if on_check is not None:
+            for c in done:
+                on_check(c)
     return ctx.result
 
 
-# Names other modules, scripts and tests import from converter.verify.
+# The public names other modules, scripts and tests import from converter.verify (private ones are
+# imported from the module that defines them).
 from ..errors import VerifyFailed  # noqa: E402
-from ..manifest import REPORT  # noqa: E402
+from ..state.files import REPORT  # noqa: E402
 from .config import fp8_group_problems, fp8_modules, int4_block_problems  # noqa: E402
-from .dst import (BLOCK_TYPES, CONFIG_TYPES, INDEX_TYPES, MANIFEST_TYPES, Dst, _conforms, _typed,  # noqa: E402
-                  converted_modules, scale_rule)
+from .dst import BLOCK_TYPES, CONFIG_TYPES, INDEX_TYPES, MANIFEST_TYPES, Dst, converted_modules, scale_rule  # noqa: E402
 from .figures import REPORT_TYPES, ROW_TYPES, table_rows  # noqa: E402
-from .optimum import _all_bf16_scales, brute_force_min  # noqa: E402
+from .optimum import brute_force_min  # noqa: E402
 from .redecode import OPT_GROUPS, OPT_TENSORS, REL_TOL  # noqa: E402
 from .sample import spread  # noqa: E402
-from .selection import CHECKED_BY_LOADER, _name_matcher, selection_problems  # noqa: E402
+from .selection import CHECKED_BY_LOADER, selection_problems  # noqa: E402
 from .source_files import differences  # noqa: E402
 
 __all__ = ["CHECKS", "Check", "VerifyResult", "verify", "VerifyFailed", "REPORT", "int4_block_problems",

@@ -35,5 +35,6 @@ def run(ctx: Context) -> list[Check]:
     for name in sorted(indexed - set(shards)):
         c.fail(f"{name}: named by {ckpt.INDEX} but has no manifest entry (no checksum to check)")
     total = sum(int(r.get("bytes") or 0) for r in shards.values())
-    c.summary = f"{len(shards)} shard(s), {total / 1e9:.3f} GB: digests (chunked SHA-256) and sizes against the manifest"
+    c.summary = (f"{len(shards)} shard(s), {total / 1e9:.3f} GB: digests (chunked SHA-256) and sizes "
+                 "against the manifest")
     return [c]

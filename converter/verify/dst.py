@@ -14,10 +14,11 @@ from ..errors import BadInput, ConvertError, VerifyFailed
 from ..formats import checkpoint as ckpt
 from ..formats.json_input import ListOf, MapOf, Nullable, type_problems
 from ..formats.safetensors_io import Header, TensorInfo, read_header
-from ..manifest import MANIFEST, read_json
 from ..plan import PACKED
-from ..quant.rules import RULE_KEY, RULES as SCALE_RULES, recorded_rule
+from ..quant.rules import RULE_KEY, RULES as SCALE_RULES, ScaleRule, recorded_rule
 from ..safepath import plain_name
+from ..state.files import MANIFEST
+from ..state.records import read_json
 
 # The types of the DST fields verify reads (formats.json_input.type_problems): a field of
 # another type fails verification naming it (exit 5), never a TypeError further on.
@@ -112,14 +113,14 @@ def load(dst: str, files: Check, index_c: Check, config_c: Check) -> Dst:
         raise BadInput(f"no {MANIFEST}: not a k3convert output directory", file=dst)
     index = read_obj(os.path.join(dst, ckpt.INDEX), index_c, INDEX_TYPES)
     config = read_obj(os.path.join(dst, "config.json"), config_c, CONFIG_TYPES)
-    for path, block in ckpt.quant_blocks(config or {}):
-        _typed(block, BLOCK_TYPES, os.path.join(dst, "config.json"), ckpt.dotted(path))
+    for where_in, block in ckpt.quant_blocks(config or {}):
+        _typed(block, BLOCK_TYPES, os.path.join(dst, "config.json"), ckpt.dotted(where_in))
     # shard names read from DST's own files are untrusted too: nothing outside DST is opened
     names = {plain_name(n, os.path.join(dst, MANIFEST)) for n in manifest.get("shards") or {}}
     wm = (index or {}).get("weight_map")
     if index is not None and not isinstance(wm, dict):
         index_c.fail(f"{ckpt.INDEX} has no weight_map")
-    elif index is not None:
+    elif isinstance(wm, dict):   # index is not None
         names |= {plain_name(n, os.path.join(dst, ckpt.INDEX)) for n in wm.values()}
     headers: dict[str, Header] = {}
     where: dict[str, tuple[str, TensorInfo]] = {}
@@ -142,12 +143,13 @@ def converted_modules(d: Dst) -> list[str]:
     return sorted(t[: -len(PACKED) - 1] for t in d.where if t.endswith("." + PACKED))
 
 
-def scale_rule(d: Dst) -> str:
+def scale_rule(d: Dst) -> ScaleRule:
     """The scale rule DST was written with (manifest; config must agree), default ``optimal``."""
-    rule = recorded_rule(d.manifest)
-    if rule not in SCALE_RULES:
-        raise VerifyFailed(f"scale_rule {rule!r} is not one of {', '.join(SCALE_RULES)}",
+    name = recorded_rule(d.manifest)
+    if name not in SCALE_RULES:
+        raise VerifyFailed(f"scale_rule {name!r} is not one of {', '.join(SCALE_RULES)}",
                            file=os.path.join(d.path, MANIFEST))
+    rule = ScaleRule(name)
     for path, block in ckpt.quant_blocks(d.config or {}):
         said = block.get(RULE_KEY)
         if said is not None and said != rule:

@@ -7,8 +7,9 @@ import os
 
 from ..checks import Check
 from ..errors import VerifyFailed
-from ..manifest import REPORT, TENSOR_TABLE, read_rows
 from ..plan import PACKED
+from ..state.files import REPORT, TENSOR_TABLE
+from ..state.records import read_rows
 from ..validate import error_ratio, ratio_line
 from .context import Context
 from .dst import _typed, converted_modules, read_obj, scale_rule

@@ -2,8 +2,8 @@
 
 A file the manifest does not name fails (upload would publish it), a temporary is named, not
 failed (upload never sends one), and each file it records beside the shards has its size and
-digest; anything but a regular file fails. Sets ``result.files``: the files upload sends. Only files the walk found are opened:
-the manifest's names are untrusted.
+digest; anything but a regular file fails. Sets ``result.files``: the files upload sends. Only files the walk found
+are opened: the manifest's names are untrusted.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import os
 
 from ..checks import Check
 from ..digest import file_digest
-from ..manifest import MANIFEST
 from ..outputs import accepted, listing, named_by
 from ..safepath import regular_problem
+from ..state.files import MANIFEST
 from .context import Context
 
 

@@ -44,14 +44,16 @@ def run(ctx: Context) -> list[Check]:
         why = _dequant_problem(torch, s_t, d_t, t, dequants[t], ctx.plan.source.scale_bias)
         if why:
             copy.fail(why)
-    scaled = spread(sorted(fp8), ctx.sample)
+    scaled, added = spread(sorted(fp8), ctx.sample), []
     for t in scaled:
-        if why := _fp8_problem(torch, s_t, d_t, t, fp8[t]):
+        why, err = _fp8_problem(torch, s_t, d_t, t, fp8[t])
+        if why:
             copy.fail(why)
+        added += [err] if err else []
     copy.summary = f"{len(others)} non-expert tensor(s) byte-identical to the source" + (
         f"; {len(exact)} of {len(dequants)} MXFP4 module(s) written as bf16 equal to their MXFP4 values"
         if dequants else "") + (f"; {len(scaled)} of {len(fp8)} FP8 linear(s) written as bf16 equal to their e4m3 "
-                                "values times the block scales, rounded to bf16" if fp8 else "")
+                                "values times the block scales, rounded to bf16" + _added(added) if fp8 else "")
     return [copy]
 
 
@@ -71,19 +73,34 @@ def _dequant_problem(torch, s_t: Tensors, d_t: Tensors, name: str, q, bias: int)
     return f"{name}: {differ} value(s) differ from the MXFP4 values of {q.packed.name}" if differ else None
 
 
-def _fp8_problem(torch, s_t: Tensors, d_t: Tensors, name: str, q) -> str | None:
-    """Why DST's bf16 ``name`` is not the source FP8 linear's e4m3 values times its fp32 block scales,
-    computed in fp32 and rounded to bf16 (formats/fp8_block.py), or None."""
+def _fp8_problem(torch, s_t: Tensors, d_t: Tensors, name: str, q) -> tuple[str | None, tuple[float, float] | None]:
+    """(why DST's bf16 ``name`` is not the source FP8 linear's e4m3 values times its fp32 block scales,
+    computed in fp32 and rounded to bf16 (formats/fp8_block.py), or None; the bf16 rounding's error
+    against those values, ``fp8_block.rel_error``)."""
+    from ..formats import fp8_block
+
     try:
         got = d_t.get(name)
     except KeyError:
-        return f"{name}: not in DST"
+        return f"{name}: not in DST", None
     w, s = s_t.get(q.weight.name), s_t.get(q.scale.name).float()
     if got.dtype != torch.bfloat16 or list(got.shape) != [q.rows, q.cols]:
-        return f"{name}: {got.dtype}{list(got.shape)}, expected bf16[{q.rows}, {q.cols}] decoded from {q.weight.name}"
+        return (f"{name}: {got.dtype}{list(got.shape)}, expected bf16[{q.rows}, {q.cols}] decoded from "
+                f"{q.weight.name}"), None
     bn, bk = q.block
     per_block = s.repeat_interleave(bn, 0)[: q.rows].repeat_interleave(bk, 1)[:, : q.cols]
     want = (w.view(torch.float8_e4m3fn).float() * per_block).to(torch.bfloat16)
     differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
-    return f"{name}: {differ} value(s) differ from the FP8 values of {q.weight.name} times {q.scale.name}" \
-        if differ else None
+    err = fp8_block.rel_error(w.view(torch.float8_e4m3fn), s, q.block)
+    return (f"{name}: {differ} value(s) differ from the FP8 values of {q.weight.name} times {q.scale.name}"
+            if differ else None), err
+
+
+def _added(errs: list[tuple[float, float]]) -> str:
+    """The bf16 rounding's error against the FP8 values, over the modules checked (0 when exact)."""
+    if not errs:
+        return ""
+    worst, rel = max(e[0] for e in errs), max(e[1] for e in errs)
+    if worst == 0:
+        return " (exact: power-of-two scales)"
+    return f" (added error against the FP8 values: at most {worst:.2e} per value, {rel:.2e} relative RMS per tensor)"

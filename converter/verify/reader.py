@@ -14,7 +14,8 @@ class Tensors:
     """Tensors by name through safetensors.safe_open, one open handle per file."""
 
     def __init__(self, root: str, weight_map: dict[str, str]):
-        self.root, self.wm, self.handles = root, weight_map, {}
+        self.root, self.wm = root, weight_map
+        self.handles: dict[str, Any] = {}   # shard -> safe_open handle
 
     def get(self, name: str) -> torch.Tensor:
         from safetensors import safe_open

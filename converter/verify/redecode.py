@@ -33,7 +33,7 @@ def run(ctx: Context) -> list[Check]:
     src_wm = ckpt.weight_map(src)   # BadInput (exit 2) when the source is unreadable
     c = Check("re-decode")
     rule = scale_rule(d)
-    opt = Check("optimality" if rule in OPTIMA else "scale rule")  # vllm-gfx942 is not the optimum
+    opt = Check("optimality" if rule.optimum else "scale rule")  # vllm-gfx942 is not the optimum
     result.decoder, read_int4 = int4_reader()
     s_t, d_t = Tensors(src, src_wm), Tensors(d.path, {t: s for t, (s, _) in d.where.items()})
     # the source's dialect, as the conversion recorded it: tensor names and E8M0 bias
@@ -77,18 +77,18 @@ def run(ctx: Context) -> list[Check]:
         max_abs = float(diff.abs().max()) if diff.numel() else 0.0
         if abs(max_abs - rows[name]["max_abs"]) > REL_TOL * max(rows[name]["max_abs"], 1e-30):
             c.fail(f"{name}: re-decoded max abs error {max_abs:.9g}, table says {rows[name]['max_abs']:.9g}")
-        if OPTIMA.get(rule, -8) > -8 and has_minus_8(words):
-            opt.fail(f"{m}: code -8 written, outside the {rule} rule's range [{OPTIMA[rule]}, 7]")
-        if rule not in OPTIMA:
+        if rule.optimum and rule.qmin > -8 and has_minus_8(words):
+            opt.fail(f"{m}: code -8 written, outside the {rule} rule's range [{rule.qmin}, 7]")
+        if not rule.optimum:
             opt_groups += same_as_rule(m, src_packed, src_scales, bias, words, int4_scales, opt)
         elif i < OPT_TENSORS:
             g_err = (diff * diff).reshape(-1, 32).sum(1)
             picks = torch.unique(torch.cat((g_err.topk(min(OPT_GROUPS // 2, g_err.numel())).indices,
                                             torch.linspace(0, g_err.numel() - 1, OPT_GROUPS // 2).long())))
             best = brute_force_min(w.reshape(-1, 32)[picks], OPTIMA[rule])
-            for g, e, b in zip(picks.tolist(), g_err[picks].tolist(), best.tolist()):
-                if e > b * (1 + 1e-12) + 1e-300:
-                    opt.fail(f"{m}: group {g} has squared error {e:.6g}, the best bf16 scale gives {b:.6g}")
+            for g, err, b in zip(picks.tolist(), g_err[picks].tolist(), best.tolist()):
+                if err > b * (1 + 1e-12) + 1e-300:
+                    opt.fail(f"{m}: group {g} has squared error {err:.6g}, the best bf16 scale gives {b:.6g}")
             opt_groups += len(picks)
     result.sampled = len(names)
     c.summary = (f"{len(names)} of {len(rows)} tensor(s) from the source bytes; largest deviation from the "

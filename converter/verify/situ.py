@@ -6,8 +6,8 @@ import os
 from ..checks import Check
 from ..errors import BadInput
 from ..formats import checkpoint as ckpt
-from ..manifest import MANIFEST
 from ..plan import metadata_value
+from ..state.files import MANIFEST
 from .context import Context
 
 

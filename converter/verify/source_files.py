@@ -12,11 +12,11 @@ from ..digest import file_digest
 from ..errors import ConvertError
 from ..formats import checkpoint as ckpt
 from ..formats.safetensors_io import Header
-from ..manifest import json_bytes
 from ..outputs import BOOKKEEPING, CONFIG, Expected, expected
 from ..plan import README, build_plan
 from ..safepath import open_regular, read_regular
 from ..sources import profile_argument
+from ..state.records import json_bytes
 from .context import Context
 from .dst import existing_dir, scale_rule
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 import os
 
 from ..checks import Check
-from ..manifest import MANIFEST, file_fingerprint
 from ..safepath import plain_name
+from ..state.files import MANIFEST
+from ..state.records import file_fingerprint
 from .context import Context
 
 
@@ -19,6 +20,11 @@ def run(ctx: Context) -> list[Check]:
         path = os.path.join(src, plain_name(name, os.path.join(d.path, MANIFEST)))
         if not os.path.exists(path):
             c.fail(f"{name}: not in {src}")
+            continue
+        if "sha256" in fp:   # a Hub source: the commit's LFS SHA-256 (converter.hub_convert)
+            from ..hub_remote import sha256_of
+            if os.path.getsize(path) != fp.get("size") or sha256_of(path) != fp["sha256"]:
+                c.fail(f"{name}: differs from the file converted ({fp.get('hub')}@{fp.get('commit')}: SHA-256)")
             continue
         now = file_fingerprint(path)
         if (now["size"], now["edge_blake2b"]) != (fp.get("size"), fp.get("edge_blake2b")):

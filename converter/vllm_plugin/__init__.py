@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..servers.releases import proven_vllm
+from ..releases import proven_vllm
 from .route import NAME, Refused, is_k3_int4
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ def register() -> None:
         return
     if NAME in QUANTIZATION_METHODS:
         return
+    config_cls: type
     try:
         from .vllm_config import K3Int4Gfx942Config as config_cls
     except ImportError as exc:
@@ -45,7 +46,7 @@ def _refusing_config(why: str) -> type:
     """A registered config whose only act is to refuse K3 int4 SiTU on ROCm, naming the import error."""
     from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
-    class K3Int4Refusing(QuantizationConfig):   # type: ignore[misc, valid-type]
+    class K3Int4Refusing(QuantizationConfig):
         @classmethod
         def override_quantization_method(cls, hf_quant_cfg: Any, user_quant: str | None,
                                          hf_config: Any = None) -> str | None:

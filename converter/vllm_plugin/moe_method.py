@@ -2,7 +2,7 @@
 packed-int4 a16w4 kernel, and build the kernel vLLM's own gfx942 K3 route builds.
 
 Written against vLLM's `quantization/mxfp4.py` (Mxfp4MoEMethod, `_setup_kernel_k3_situ_gfx942`) and
-`compressed_tensors_moe_wna16.py` (create_weights) of every proven release (converter/servers/releases;
+`compressed_tensors_moe_wna16.py` (create_weights) of every proven release (converter/releases;
 file and line per release in docs/vllm_plugin.md); route.decide refuses other versions.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import functools
 import logging
 import os
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -29,6 +29,9 @@ from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 from vllm.model_executor.utils import replace_parameter
 
 from . import layout, repair, route, selftest
+
+if TYPE_CHECKING:   # the layer vLLM hands a method: its attributes are set at run time
+    from vllm.model_executor.layers.fused_moe import FusedMoE
 
 logger = logging.getLogger(route.LOGGER)
 
@@ -58,8 +61,9 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
     get_weight_shape = CompressedTensorsWNA16MoEMethod.get_weight_shape
     self_tested = False      # once per process: the first routed-experts layer laid out
     repair_minus8 = False    # set when the self-test found code -8 misread: every later layer repaired
+    ckpt_inter: int | None   # the checkpoint's whole intermediate size, as the weight loader saw it
 
-    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra: Any) -> None:
         """vLLM's WNA16 create_weights, with the weight loader watched for the checkpoint's own
         intermediate size (what tells real channels from the padding vLLM's KimiMoE adds)."""
@@ -119,10 +123,10 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
                                 "packed-int4 a16w4 kernel reads [gate; up] separated: unset it")
         if rocm_aiter_ops.is_fused_moe_situv2_enabled():
             os.environ["AITER_BF16_FP8_MOE_BOUND"] = "0"   # as mxfp4.py does: a16w4 ignores this bound
-        self.ckpt_inter: int | None = None
+        self.ckpt_inter = None
         self.max_capture_size = moe.max_capture_size
         self._cache_permute_indices: dict = {}
-        self.moe_kernel = None
+        self.moe_kernel: Any = None   # vLLM's modular kernel, made once the weights are laid out
         self.w13_precision_config = None
         self.w2_precision_config = None
 
@@ -144,7 +148,7 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
                 f"keeps the per-rank intermediate size a multiple of {route.ALIGN}")
         return sizes
 
-    def real_channels(self, layer: torch.nn.Module) -> int:
+    def real_channels(self, layer: FusedMoE) -> int:
         """This rank's intermediate channels that hold checkpoint data (the rest is vLLM's padding)."""
         padded = layer.w13_weight_packed.shape[1] // 2
         if self.ckpt_inter is None:        # nothing loaded through the loader (dummy weights)
@@ -152,7 +156,7 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
         par = self.moe.moe_parallel_config
         return route.real_channels(self.ckpt_inter, par.tp_size, par.tp_rank)
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
         from aiter import dtypes as aiter_dtypes
 
         check_aiter_layout()
@@ -205,7 +209,7 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
             return False
         return True
 
-    def _probe_experts(self, layer: torch.nn.Module, real: int):
+    def _probe_experts(self, layer: FusedMoE, real: int):
         """Copies of a few local experts' int4 as loaded (real channels only), and remote expert ids."""
         emap = layer.expert_map
         chosen, remote = selftest.choose_experts(selftest.local_ids(emap, layer.global_num_experts),
@@ -217,7 +221,7 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
                                               layer.w2_weight_packed.data[i], layer.w2_weight_scale.data[i], real)
         return experts, remote
 
-    def _kernel_call(self, layer: torch.nn.Module):
+    def _kernel_call(self, layer: FusedMoE):
         """The layer's own expert kernel as a function of a probe, without any collective.
 
         Without all2all kernels it is ``self.apply``, the call the model makes. With them (DP > 1 and
@@ -249,7 +253,7 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
                                      topk_weights=p.topk_weights, topk_ids=p.topk_ids,
                                      expert_map=layer.expert_map, **call)
 
-    def _run_self_test(self, layer: torch.nn.Module, experts: dict, remote: list[int], act) -> selftest.Outcome:
+    def _run_self_test(self, layer: FusedMoE, experts: dict, remote: list[int], act) -> selftest.Outcome:
         call = self._kernel_call(layer)
         try:
             return selftest.run(call, experts, remote, act)
@@ -258,7 +262,7 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
                                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                                 f"not serving ({selftest.ENV}=0 skips the test at your own risk)") from exc
 
-    def _self_test(self, layer: torch.nn.Module, experts: dict, remote: list[int]) -> None:
+    def _self_test(self, layer: FusedMoE, experts: dict, remote: list[int]) -> None:
         act = selftest.Activation(float(self.moe.activation_situ_beta),
                                   None if self.moe.activation_situ_linear_beta is None
                                   else float(self.moe.activation_situ_linear_beta))
@@ -272,7 +276,7 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
                                 f"not serving ({selftest.ENV}=0 skips the test at your own risk)")
         logger.info("%s kernel self-test passed on %s: %s", route.PREFIX, self.prefix, out.line())
 
-    def _repair_minus_eight(self, layer: torch.nn.Module, experts: dict, remote: list[int], act,
+    def _repair_minus_eight(self, layer: FusedMoE, experts: dict, remote: list[int], act,
                             first: selftest.Outcome) -> selftest.Outcome:
         """Re-optimize this layer's groups that use -8 over [-7, 7], lay them out again and re-test;
         later layers are repaired at layout time (repair_minus8) without a test of their own."""

@@ -7,12 +7,11 @@ The facts about the machine (platform, GPU, aiter, vLLM version) are gathered by
 from __future__ import annotations
 
 import inspect
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..activation_fields import SITU_FIELDS, ActivationConflict, find as find_activation
-from ..servers.releases import NEWEST_VLLM, VLLM, Release, all_kimi_model_types, proven_vllm, vllm_release
+from ..releases import NEWEST_VLLM, VLLM, Release, all_kimi_model_types, proven_vllm, vllm_release
 
 NAME = "k3convert-int4-gfx942"
 GEMM1_PARAMS = ("act", "situ_beta", "situ_linear_beta")
@@ -231,7 +230,7 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
     A K3 int4 config whose SiTU fields sit at top level beside text_config is refused on every platform
     (`situ_fields`): vLLM would build its experts from text_config's, SiLU by default.
     """
-    if not is_k3_int4(quant_cfg, user_quant, hf_config):
+    if quant_cfg is None or not is_k3_int4(quant_cfg, user_quant, hf_config):   # is_k3_int4: a Mapping
         return None
     m = machine() if callable(machine) else machine
     if not m.is_rocm:

@@ -49,7 +49,7 @@ def machine() -> route.Machine:
     gemm1, error = None, ""
     if gfx942 and moe_on:
         try:
-            import importlib   # the module the release's own route imports gemm1 from (route.KERNEL_MODULE)
+            import importlib  # the module the release's own route imports gemm1 from (route.KERNEL_MODULE)
             gemm1 = importlib.import_module(route.KERNEL_MODULE).flydsl_a16w4_gemm1
         except Exception as exc:  # noqa: BLE001 - reported by route.gemm1_problem, aiter's words kept
             error = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -61,7 +61,7 @@ def machine() -> route.Machine:
 class K3Int4Gfx942Config(CompressedTensorsConfig):
     """compressed-tensors, except Kimi K3's int4 g32 SiTU routed experts on gfx942 with AITER MoE."""
 
-    def get_name(self) -> str:  # type: ignore[override]
+    def get_name(self) -> str:
         return route.NAME
 
     @classmethod

@@ -84,7 +84,7 @@ def record_oracle() -> None:
     """The WNA16 MoE method picks its kernel at construction (fused_moe/oracle/int_wna16.py), and a
     CPU without AMX or zentorch has none: record what each layer asked instead (its activation
     and betas, its weight key) and give no kernel. Nothing here runs on a GPU: which GPU kernel
-    would answer is converter/serving.py's model of that oracle."""
+    would answer is converter/servers/'s model of that oracle."""
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
         compressed_tensors_moe_wna16 as wna16)
 

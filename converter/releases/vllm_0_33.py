@@ -136,8 +136,9 @@ CITES = {
     "fp8.mimo.qkv": "$V model_executor/models/mimo_v2.py 284-293 (QKVParallelLinear; layers/linear.py 1063-1083)",
     "fp8.mimo.o": "$V model_executor/models/mimo_v2.py 295-301",
     "fp8.fused-mixed": "$V quantization/compressed_tensors/utils.py 133-176 (_match_fused_layer: a fused layer takes "
-                       "a group's scheme only when every shard is a target) -> compressed_tensors/compressed_tensors.py "
-                       "159-173 (no scheme: UnquantizedLinearMethod, a bf16 weight); layers/linear.py 772-880 "
+                       "a group's scheme only when every shard is a target) -> "
+                       "compressed_tensors/compressed_tensors.py 159-173 (no scheme: UnquantizedLinearMethod, a bf16 "
+                       "weight); layers/linear.py 772-880 "
                        "(MergedColumnParallelLinear.weight_loader copies the e4m3 values into it, 880)",
     "fp8.ling.kda-fused": "$V model_executor/models/bailing_moe_v3.py 691 (b_proj separate only when "
                           "_is_fp8_module_excluded, false outside a block Fp8Config: 283-297), 710-720 (qkvb_proj "
@@ -155,7 +156,7 @@ RELEASE = Release(
           kimi_padding_crashes=True,                     # models/kimi_k3/amd/linear.py 349-357: AttributeError
           gemm1_module="aiter.ops.flydsl.kernels.moe_2stage_a16wmix",   # quantization/mxfp4.py 882
           align=128,                                     # fused_moe/oracle/mxfp4.py 888-892
-          aiter_pin="v0.1.26",
-          moe_activations={"minimax_m3_vl": _MINIMAX, "minimax_m3_text": _MINIMAX}),                      # docker/Dockerfile.rocm_base 11 at the release commit
+          aiter_pin="v0.1.26",                           # docker/Dockerfile.rocm_base 11 at the release commit
+          moe_activations={"minimax_m3_vl": _MINIMAX, "minimax_m3_text": _MINIMAX}),
     wheel="vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl",
 )

@@ -95,8 +95,9 @@ CITES = {
                     "222-228)",
     "fp8.mimo.qkv": "$V model_executor/models/mimo_v2.py 284-293 (QKVParallelLinear; layers/linear.py 1111-1131)",
     "fp8.fused-mixed": "$V quantization/compressed_tensors/utils.py 133-176 (_match_fused_layer: a fused layer takes "
-                       "a group's scheme only when every shard is a target) -> compressed_tensors/compressed_tensors.py "
-                       "159-173 (no scheme: UnquantizedLinearMethod, a bf16 weight); layers/linear.py 818-926 "
+                       "a group's scheme only when every shard is a target) -> "
+                       "compressed_tensors/compressed_tensors.py 159-173 (no scheme: UnquantizedLinearMethod, a bf16 "
+                       "weight); layers/linear.py 818-926 "
                        "(MergedColumnParallelLinear.weight_loader copies the e4m3 values into it, 926 copy_weight_)",
     "fp8.ling.kda-fused": "$V model_executor/models/bailing_moe_v3.py 691 (b_proj separate only when "
                           "_is_fp8_module_excluded, false outside a block Fp8Config: 283-297), 710-720 (qkvb_proj "
@@ -111,7 +112,8 @@ CITES = {
 
 _MINIMAX = MoeActivation("swigluoai_uninterleave", {"swiglu_alpha": 1.702, "swiglu_limit": 7.0},
                          "activation.minimax_m3", fixed={"swiglu_beta": 1.0})
-_LING = MoeActivation("swiglustep", {"expert_swiglu_limit_list": 7.0}, "activation.ling", when="expert_swiglu_limit_list")
+_LING = MoeActivation("swiglustep", {"expert_swiglu_limit_list": 7.0}, "activation.ling",
+                      when="expert_swiglu_limit_list")
 
 RELEASE = Release(
     Family.VLLM, "0.34.0", CITES,
@@ -120,8 +122,8 @@ RELEASE = Release(
           kimi_padding_crashes=True,                     # linear.py 354-362: the same code as 0.33.0's
           gemm1_module="aiter.ops.flydsl.kernels.moe_2stage_a16wmix",   # quantization/mxfp4.py 987-989
           align=128,                                     # fused_moe/oracle/mxfp4.py 886-892
-          aiter_pin="v0.1.28.post1",
+          aiter_pin="v0.1.28.post1",                     # docker/Dockerfile.rocm_base 13 at the release commit
           moe_activations={"minimax_m3_vl": _MINIMAX, "minimax_m3_text": _MINIMAX,
-                           "bailing_moe_v3": _LING, "bailing_hybrid": _LING}),                      # docker/Dockerfile.rocm_base 13 at the release commit
+                           "bailing_moe_v3": _LING, "bailing_hybrid": _LING}),
     wheel="vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl",
 )

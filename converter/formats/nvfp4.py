@@ -1,0 +1,207 @@
+"""NVFP4 sources: which linears hold NVFP4 weights, and their values, in the three layouts read.
+
+NVFP4 is E2M1 codes (two a byte, element 2j in the low nibble), one FP8 E4M3 scale per 16 inputs and
+one FP32 scale per tensor. The layouts differ in names and in how the FP32 scale applies
+(docs/nvfp4.md, with the evidence):
+
+* compressed-tensors ``nvfp4-pack-quantized`` (llm-compressor, auto-round's ``llm_compressor`` format):
+  ``X.weight_packed`` U8, ``X.weight_scale`` F8_E4M3, ``X.weight_global_scale`` F32; value =
+  code * scale / global (``forward_helpers.py`` ``scale = scale / global_scale``);
+* auto-round's own format, ``data_type "nv_fp"``: the same tensors and rule (``qlinear_fp.py`` 154-188);
+* ModelOpt (``quant_method "modelopt"``, ``quant_algo "NVFP4"``): ``X.weight`` U8, ``X.weight_scale``
+  F8_E4M3, ``X.weight_scale_2`` F32; value = code * scale * scale_2 (compressed-tensors' own converter,
+  ``entrypoints/convert/converters/modelopt_nvfp4.py`` 82-130: ``weight_global_scale = 1 / weight_scale_2``).
+
+Input activation scales (``input_global_scale``, ``input_scale``) serve W4A4 only and are dropped,
+like every other activation quantization, only with ``--drop-activation-quant``.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..errors import BadInput
+from .auto_round import QUANT_METHOD as AUTO_ROUND, AutoRoundSource, auto_round_source
+from .dialect import DROP_FLAG, dotted, drop_or_refuse, quant_blocks
+from .match import LINEAR, CtRule
+
+if TYPE_CHECKING:   # the requantizer imports numba: only when a module is converted
+    from ..quant.nvfp4_requant import GlobalScale
+
+NVFP4_FORMAT = "nvfp4-pack-quantized"
+GROUP, BLOCK = 32, 16   # the int4 group written; NVFP4's block (quant/nvfp4_requant.py, imported when used)
+NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "group_size": 16}
+
+
+class Layout(Enum):
+    COMPRESSED_TENSORS = "compressed-tensors nvfp4-pack-quantized"
+    AUTO_ROUND = "auto-round nv_fp"
+    MODELOPT = "ModelOpt NVFP4"
+
+
+@dataclass(frozen=True)
+class Nvfp4Source:
+    """Where a checkpoint keeps its NVFP4 linears, which ones, and how to read their values."""
+
+    layout: Layout
+    blocks: tuple[tuple[str, ...], ...]
+    packed_suffix: str
+    global_suffix: str
+    divide: bool                                   # value = ... / global (else * global)
+    rule: Callable[[str], bool] = field(compare=False, default=lambda m: True)
+    dropped: tuple[dict, ...] = ()
+    dropped_tensors: tuple[str, ...] = ()
+    scale_suffix: str = "weight_scale"
+
+    def selects(self, module: str) -> bool:
+        return self.rule(module)
+
+    def modules(self, tensors: dict[str, Any], where: str = "") -> list[str]:
+        """Every NVFP4 linear of ``tensors`` (name -> torch tensor), checked: one line per problem.
+
+        A U8 ``packed`` tensor with an F8_E4M3 scale is NVFP4; the config must select it, its scale
+        must be [out, in/16] and its global scale one finite positive number."""
+        import torch
+
+        suffix = "." + self.packed_suffix
+        found, problems = [], []
+        for name, t in sorted(tensors.items()):
+            if not name.endswith(suffix) or t.dtype != torch.uint8:
+                continue
+            m = name[: -len(suffix)]
+            scale, gs = tensors.get(f"{m}.{self.scale_suffix}"), tensors.get(f"{m}.{self.global_suffix}")
+            at = f"{where}tensor {name}"
+            if scale is None or gs is None:
+                problems.append(f"{at}: packed NVFP4 needs {self.scale_suffix} and {self.global_suffix} beside it")
+            elif not self.selects(m):
+                problems.append(f"{at}: packed NVFP4, but the quantization config does not select {m}")
+            elif scale.dtype != torch.float8_e4m3fn or gs.dtype != torch.float32:
+                problems.append(f"{at}: expected F8_E4M3 {self.scale_suffix} and F32 {self.global_suffix}, got "
+                                f"{scale.dtype} and {gs.dtype}")
+            elif (t.dim() != 2 or (2 * t.shape[1]) % GROUP
+                  or tuple(scale.shape) != (t.shape[0], 2 * t.shape[1] // BLOCK)):
+                problems.append(f"{at}: shape {list(t.shape)} with scale {list(scale.shape)}: expected in-dim a "
+                                f"multiple of {GROUP} and scale [out, in/{BLOCK}]")
+            elif gs.numel() != 1 or not (float(gs.reshape(())) > 0 and float(gs.reshape(())) < float("inf")):
+                problems.append(f"{at}: {self.global_suffix} must be one finite positive number")
+            elif bool(torch.isnan(scale.float()).any() or (scale.float() < 0).any()):
+                problems.append(f"{at}: {self.scale_suffix} holds NaN or negative E4M3 scales")
+            else:
+                found.append(m)
+        if problems:
+            raise BadInput(f"{len(problems)} problem(s): " + "; ".join(problems) if len(problems) > 1 else problems[0])
+        return found
+
+    def global_scale(self, tensors: dict[str, Any], module: str) -> "GlobalScale":
+        from ..quant.nvfp4_requant import GlobalScale
+        return GlobalScale(float(tensors[f"{module}.{self.global_suffix}"].reshape(())), self.divide)
+
+    def record(self) -> dict[str, Any]:
+        return {"layout": self.layout.value, "blocks": [dotted(p) for p in self.blocks],
+                "packed_suffix": self.packed_suffix, "global_suffix": self.global_suffix,
+                "global_applies": "divide" if self.divide else "multiply", "dropped": list(self.dropped)}
+
+
+def _ct_problems(block: dict, where: str, drop: bool, dropped: list[dict]) -> list[str]:
+    out = []
+    if block.get("quantization_status", "compressed") != "compressed":
+        out.append(f"{where}.quantization_status is {block.get('quantization_status')!r}: only packed checkpoints")
+    for key in ("transform_config", "sparsity_config"):
+        value = block.get(key)
+        if value and not (key == "sparsity_config" and value.get("format") in (None, "dense")):
+            out.append(f"{where}.{key} is set ({json.dumps(value)[:80]}): an int4 output cannot carry it")
+    for name, g in (block.get("config_groups") or {}).items():
+        at, w = f"{where}.config_groups.{name}", (g.get("weights") or {})
+        if ((g.get("format") or block.get("format")) != NVFP4_FORMAT
+                or any(w.get(k) != v for k, v in NVFP4_WEIGHTS.items())):
+            out.append(f"{at} is not {NVFP4_FORMAT} FP4 group 16 ({json.dumps(w, sort_keys=True)[:80]}): only "
+                       "checkpoints whose quantized weights are all NVFP4 are converted")
+            continue
+        if w.get("strategy") not in (None, "tensor_group") or w.get("symmetric") is False \
+                or w.get("dynamic") not in (None, False) \
+                or w.get("scale_dtype") not in (None, "torch.float8_e4m3fn"):
+            out.append(f"{at}.weights is not plain NVFP4 ({json.dumps(w, sort_keys=True)[:120]})")
+        for kind in ("input_activations", "output_activations"):
+            if g.get(kind):
+                drop_or_refuse(f"{at}.{kind}", g[kind], f"{kind.replace('_', ' ')} ({g[kind].get('num_bits')}-bit "
+                               f"{g[kind].get('type')}, group {g[kind].get('group_size')})", drop, dropped, out)
+    return out
+
+
+def _compressed_tensors(blocks: list, config_path: str, drop: bool) -> Nvfp4Source:
+    dropped: list[dict] = []
+    problems, targets, ignore = [], [], []
+    for path, b in blocks:
+        problems += _ct_problems(b, dotted(path), drop, dropped)
+        for g in (b.get("config_groups") or {}).values():
+            targets += [t for t in g.get("targets") or [] if t not in targets]
+        ignore += [i for i in b.get("ignore") or [] if i not in ignore]
+    if problems:
+        raise BadInput("; ".join(problems), file=config_path)
+    rule = CtRule.of(tuple(targets) or ("Linear",), tuple(ignore))
+    return Nvfp4Source(Layout.COMPRESSED_TENSORS, tuple(p for p, _ in blocks), "weight_packed", "weight_global_scale",
+                       True, lambda m: bool(rule(m, LINEAR)), tuple(dropped),
+                       (".input_global_scale",) if dropped else ())
+
+
+def _modelopt(path: tuple[str, ...], block: dict, config_path: str, drop: bool) -> Nvfp4Source:
+    """ModelOpt's config, flat in config.json or as hf_quant_config.json's ``quantization`` object."""
+    where = dotted(path)
+    q: dict = block["quantization"] if isinstance(block.get("quantization"), dict) else block
+    problems: list[str] = []
+    dropped: list[dict] = []
+    if str(q.get("quant_algo", "")).upper() != "NVFP4" or q.get("group_size", 16) != 16:
+        problems.append(f"{where}: quant_algo {q.get('quant_algo')!r} group {q.get('group_size')!r}: only ModelOpt "
+                        "NVFP4 (group 16) is read")
+    if q.get("kv_cache_quant_algo"):
+        drop_or_refuse(f"{where}.kv_cache_quant_algo", q["kv_cache_quant_algo"], "the KV cache", drop, dropped,
+                       problems)
+    # NVFP4 quantizes the inputs too (W4A4: X.input_scale); a weight-only output drops them
+    drop_or_refuse(f"{where}.quant_algo", "NVFP4", "input activations (4-bit NVFP4, static per-tensor scale)", drop,
+                   dropped, problems)
+    if problems:
+        raise BadInput("; ".join(problems), file=config_path)
+    exclude = tuple(q.get("exclude_modules") or q.get("ignore") or ())
+    return Nvfp4Source(Layout.MODELOPT, (path,), "weight", "weight_scale_2", False,
+                       lambda m: not any(fnmatch.fnmatchcase(m, p) for p in exclude),
+                       tuple(dropped), (".input_scale", ".k_scale", ".v_scale") if dropped else ())
+
+
+def is_nvfp4(block: dict) -> bool:
+    """Whether a quantization_config block (any of the three layouts) says NVFP4."""
+    if block.get("quant_method") == "compressed-tensors":
+        groups = block.get("config_groups") or {}
+        return block.get("format") == NVFP4_FORMAT or any(isinstance(g, dict) and g.get("format") == NVFP4_FORMAT
+                                                           for g in groups.values())
+    if block.get("quant_method") == AUTO_ROUND:
+        return "nv_fp" in str(block.get("data_type") or "").lower() and block.get("bits") == 4
+    if block.get("quant_method") == "modelopt":
+        q: dict = block["quantization"] if isinstance(block.get("quantization"), dict) else block
+        return str(q.get("quant_algo", "")).upper() == "NVFP4"
+    return False
+
+
+def read(config: dict, config_path: str, drop: bool = False) -> Nvfp4Source:
+    """The NVFP4 description of the source, or one refusal naming every problem."""
+    blocks = [(p, b) for p, b in quant_blocks(config) if is_nvfp4(b)]
+    methods = {str(b.get("quant_method")) for _, b in blocks}
+    if not blocks:
+        raise BadInput("no NVFP4 quantization_config (compressed-tensors nvfp4-pack-quantized, auto-round nv_fp "
+                       "or ModelOpt NVFP4)", file=config_path)
+    if len(methods) > 1:
+        raise BadInput(f"NVFP4 described by several writers ({', '.join(sorted(methods))}): expected one",
+                       file=config_path)
+    method = methods.pop()
+    if method == "compressed-tensors":
+        return _compressed_tensors(blocks, config_path, drop)
+    if method == "modelopt":
+        return _modelopt(*blocks[0], config_path, drop)
+    ar: AutoRoundSource = auto_round_source(config, config_path, drop, kind="NVFP4")
+    return Nvfp4Source(Layout.AUTO_ROUND, ar.blocks, "weight_packed", "weight_global_scale", True, ar.selects,
+                       ar.dropped, (".input_global_scale",) if ar.dropped else ())
+
+
+__all__ = ["DROP_FLAG", "Layout", "Nvfp4Source", "is_nvfp4", "read"]
