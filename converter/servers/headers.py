@@ -159,6 +159,12 @@ def parse(module: str) -> tuple[str, int, str] | None:
     return (m["layer"], int(m["e"]), m["proj"]) if m and m["proj"] in ROLE else None
 
 
+def nonzero_values(value: object) -> list[float]:
+    """The distinct non-zero numbers of a config value (a number, or a per-layer list with nulls)."""
+    values = value if isinstance(value, list) else [value]
+    return sorted({float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v})
+
+
 def model_types(config: dict | None) -> set[str]:
     config = config or {}
     return {str(t) for t in (config.get("model_type"), (config.get("text_config") or {}).get("model_type")) if t}

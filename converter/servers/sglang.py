@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..errors import BadInput
 from ..formats import checkpoint as ckpt
 from .context import Context, activation
-from .headers import model_types
+from .headers import model_types, nonzero_values
 from .memory import expert_memory
 from .rules import Verdict
 from .topology import Topology
@@ -40,8 +40,7 @@ def clamp_limits(config: dict | None) -> tuple[Clamp | None, list[float], str]:
     if hit is None:
         return None, [], ""
     value = ckpt.activation_fields(config or {}, (hit.field,)).get(hit.field, (None,))[0]
-    values = value if isinstance(value, list) else [value]
-    limits = sorted({float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v})
+    limits = nonzero_values(value)
     return hit, limits, f"{hit.field} {', '.join(f'{v:g}' for v in limits)}"
 
 

@@ -14,7 +14,7 @@ from ..formats import checkpoint as ckpt
 from ..releases import VLLM, MoeActivation, Release, all_kimi_model_types
 from ..vllm_plugin import route as plugin_route
 from .context import Context, activation
-from .headers import GROUP, model_types
+from .headers import GROUP, model_types, nonzero_values
 from .memory import Memory, expert_memory, kimi_fused, kimi_min_per_rank, kimi_padding
 from .rules import TARGETS, Problem, Server, Verdict
 from .sglang import clamp_limits
@@ -32,12 +32,6 @@ SELF_TEST = "self-test runs"
 SELF_TEST_ALL2ALL = "self-test runs (local kernel, no all2all)"
 
 
-def _nonzero(value: object) -> list[float]:
-    """The distinct non-zero numbers of a config value (a number or a per-layer list)."""
-    values = value if isinstance(value, list) else [value]
-    return sorted({float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and v})
-
-
 def moe_activation(config: dict | None, hidden_act: str, release: Release) -> tuple[str, MoeActivation | None, str]:
     """(the activation the kernel oracle is asked for, the release's override for the model or None,
     its parameters as a phrase)."""
@@ -47,11 +41,11 @@ def moe_activation(config: dict | None, hidden_act: str, release: Release) -> tu
         return hidden_act, None, ""
     fields = {k: v for k, (v, _) in ckpt.activation_fields(config or {}, tuple(hit.defaults)).items()
               if k in hit.defaults}
-    if hit.when and not _nonzero(fields.get(hit.when)):
+    if hit.when and not nonzero_values(fields.get(hit.when)):
         return hidden_act, None, ""
 
     def shown(v: object) -> str:
-        return ", ".join(f"{x:g}" for x in _nonzero(v)) if isinstance(v, list) else str(v)
+        return ", ".join(f"{x:g}" for x in nonzero_values(v)) if isinstance(v, list) else str(v)
     said = [f"{k.removeprefix('swiglu_')} {shown(fields.get(k, d))}{'' if k in fields else ' (default)'}"
             for k, d in hit.defaults.items()]
     said += [f"{k.removeprefix('swiglu_')} {v} (fixed)" for k, v in hit.fixed.items()]
