@@ -32,3 +32,14 @@ def proven_vllm() -> str:
 def all_kimi_model_types() -> tuple[str, ...]:
     """Every model_type some proven vLLM builds with its Kimi K3 classes (K3, K3.1, their drafts)."""
     return tuple(dict.fromkeys(t for r in VLLM for t in (*r.facts.kimi_model_types, *r.facts.kimi_mtp_types)))
+
+
+def unbuilt(release: Release, model_type: object) -> str | None:
+    """Why ``release`` cannot build a Kimi model type a proven vLLM builds ("builds no model of
+    model_type 'kimi_k31' (first in vLLM 0.34.0)"), or None: the plugin and the serving check say
+    the same thing of K3.1 under 0.33."""
+    facts = release.facts
+    if model_type not in all_kimi_model_types() or model_type in (*facts.kimi_model_types, *facts.kimi_mtp_types):
+        return None
+    first = next((r.version for r in VLLM if model_type in r.facts.kimi_model_types), None)
+    return f"builds no model of model_type {model_type!r}" + (f" (first in vLLM {first})" if first else "")

@@ -37,13 +37,14 @@ def context(config: dict | None, tensors: Mapping[str, TensorInfo], request: Ser
                          *headers.size_problems(sizes, config),
                          *(("names", p) for p in headers.lookup_problems(config, sizes, server.family))]:
         fixed[rid].append((problem, ""))
+    fp8, block = headers.fp8_linears(config, tensors)
     if server.family is Family.VLLM:
         fixed["loader"] += vllm.model_problems(config, tensors, server)
-        fixed["loader"] += fp8_tp.fused_refusals(config, headers.fp8_linears(config, tensors)[0], (
+        fixed["loader"] += fp8_tp.fused_refusals(config, fp8, (
             n[: -len(".weight")] for n in tensors if n.endswith(".weight")), server.release)
-    return Context(config, mats, sizes, experts_of(mats, sizes, config), fixed, server,
-                   *headers.fp8_linears(config, tensors), rest=rest_bytes(tensors, mats),
-                   gpus=request.gpus(), utilization=request.utilization)
+    gpus = request.gpus()   # the other weights' bytes (a pass over every header) only where they are compared
+    return Context(config, mats, sizes, experts_of(mats, sizes, config), fixed, server, fp8, block,
+                   rest=rest_bytes(tensors, mats) if gpus else 0, gpus=gpus, utilization=request.utilization)
 
 
 def _split_problems(ctx: Context, topo: Topology) -> list[Problem]:

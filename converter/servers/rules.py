@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-from ..releases import NEWEST_VLLM, SGLANG, VLLM, Family, Release, release_series
+from ..releases import NEWEST_VLLM, SGLANG, VLLM, Family, Release, vllm_release
 from .headers import GROUP
 from .memory import ROCM_GPUS, UTILIZATION
 from .topology import Topology
@@ -83,11 +83,6 @@ class ServingRequest:
             raise ValueError(f"--gpu-memory must be a positive number of GB, got {gpu_memory:g}")
         if not 0 < utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization:g}")
-        return dataclasses.replace(cls._parse(name, tp, vllm, verbose), gpu_memory=gpu_memory,
-                                   utilization=utilization)
-
-    @classmethod
-    def _parse(cls, name: str, tp: int | Topology, vllm: str | None, verbose: bool) -> "ServingRequest":
         if name not in TARGETS:
             raise ValueError(f"unknown server {name!r}; one of {', '.join(SERVERS)}")
         target = TARGETS[name]
@@ -95,15 +90,14 @@ class ServingRequest:
         if target.family is Family.SGLANG:
             if topo.dp > 1 or topo.pp > 1 or topo.ep:
                 raise ValueError(f"--dp, --pp and --ep are modelled for the vllm-* servers only, not {name}")
-            return cls(Server(target, SGLANG), topo, verbose)
-        release = NEWEST_VLLM
-        if vllm is not None:
-            series = release_series(vllm)
-            release = next((r for r in VLLM if r.series == series), None)  # type: ignore[assignment]
-            if release is None:
+            release = SGLANG
+        else:
+            found = NEWEST_VLLM if vllm is None else vllm_release(vllm)
+            if found is None:
                 raise ValueError(f"vLLM {vllm} is not a release the rules were read from; one of "
                                  f"{', '.join(r.version for r in VLLM)}")
-        return cls(Server(target, release), topo, verbose)
+            release = found
+        return cls(Server(target, release), topo, verbose, gpu_memory, utilization)
 
     def gpus(self) -> dict[str, int]:
         """The GPUs a launch is checked against (name -> bytes): the one given, else ROCm's two."""
@@ -215,8 +209,3 @@ class Verdict:
 
     def amend(self, **parts: Any) -> "Verdict":
         return dataclasses.replace(self, **parts)
-
-
-def rule_where_table(server: Server) -> Mapping[str, str]:
-    """Every rule's citation for one server (docs and --verbose)."""
-    return {rid: r.where(server) for rid, r in RULES.items()}

@@ -11,7 +11,7 @@ from typing import Iterable
 
 from ..errors import BadInput
 from ..formats import checkpoint as ckpt
-from ..releases import VLLM, MoeActivation, Release, all_kimi_model_types
+from ..releases import MoeActivation, Release, unbuilt
 from ..vllm_plugin import route as plugin_route
 from .context import Context, activation
 from .headers import GROUP, model_types, nonzero_values
@@ -195,11 +195,9 @@ def model_problems(config: dict | None, tensors: Iterable[str], server: Server) 
     release, cfg = server.release, config or {}
     model_type = cfg.get("model_type")
     facts = release.facts
-    if model_type in all_kimi_model_types() and model_type not in (*facts.kimi_model_types, *facts.kimi_mtp_types):
-        first = next((r.version for r in VLLM if model_type in r.facts.kimi_model_types), None)
-        return [(f"{release.name} builds no model of model_type {model_type!r}"
-                 + (f" (first in vLLM {first})" if first else ""), "transformers_utils/config.py, "
-                 "model_executor/models/registry.py of that release")]
+    if why := unbuilt(release, model_type):
+        return [(f"{release.name} {why}", "transformers_utils/config.py, model_executor/models/registry.py of "
+                 "that release")]
     text = found if isinstance(found := cfg.get("text_config"), dict) else cfg
     if not server.target.target.startswith("ROCm") or facts.rocm_kimi_dsa or not text.get("dsa_config"):
         return []

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..activation_fields import SITU_FIELDS, ActivationConflict, find as find_activation
-from ..releases import NEWEST_VLLM, VLLM, Release, all_kimi_model_types, proven_vllm, vllm_release
+from ..releases import NEWEST_VLLM, Release, all_kimi_model_types, proven_vllm, unbuilt, vllm_release
 
 NAME = "k3convert-int4-gfx942"
 GEMM1_PARAMS = ("act", "situ_beta", "situ_linear_beta")
@@ -104,11 +104,8 @@ def release_of(vllm_version: str, model_type: Any) -> Release:
         raise Refused(f"proven on vLLM {proven_vllm()}, found vLLM {vllm_version or 'unknown'}: its model, MoE "
                       f"and kernel code were not checked; serve with a proven vLLM, or VLLM_PLUGINS= (empty) to "
                       f"turn the plugin off")
-    facts = release.facts
-    if model_type not in (*facts.kimi_model_types, *facts.kimi_mtp_types):
-        first = next((r.version for r in VLLM if model_type in r.facts.kimi_model_types), None)
-        raise Refused(f"vLLM {vllm_version} builds no model of model_type {model_type!r}"
-                      + (f" (first in vLLM {first}): serve it with that release or newer" if first else ""))
+    if why := unbuilt(release, model_type):
+        raise Refused(f"vLLM {vllm_version} {why}: serve it with a release that builds it")
     return release
 
 
