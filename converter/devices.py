@@ -13,7 +13,7 @@ import ctypes
 import glob
 import os
 
-from .whole import whole
+from .terminal.whole import whole
 
 
 def _count(library: str, init: str | None, count: str) -> int | None:

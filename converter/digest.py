@@ -12,6 +12,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 from .devices import cpus
 from .safepath import open_regular
@@ -108,3 +109,14 @@ class ChunkHasher:
         for f in self._futures:
             if f is not None:
                 f.cancel() or f.exception()
+
+
+def sha256_of(path: str, chunk: int = 8 << 20, progress: Callable[[int], None] | None = None) -> str:
+    """A file's SHA-256, as the Hub lists an LFS file's: a Hub source's identity (``hub.convert``)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            h.update(data)
+            if progress:
+                progress(len(data))
+    return h.hexdigest()

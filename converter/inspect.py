@@ -11,14 +11,14 @@ from typing import Any
 
 from . import profiles
 from .errors import BadInput, ConvertError
-from .formats import checkpoint as ckpt
+from .formats import checkpoint as ckpt, nvfp4
 from .formats.safetensors_io import read_header
-from .plan import PACKED
 from .quant.rules import recorded_rule
+from .run.plan import PACKED
+from .run.validate import ratio_line
 from .safepath import regular_problem
 from .state.files import MANIFEST, REPORT
 from .state.records import read_json
-from .validate import ratio_line
 
 MXFP4_SOURCE = "mxfp4-source"
 K3_OUTPUT = "k3convert-int4"
@@ -48,6 +48,10 @@ def _detect(blocks: list[tuple[tuple[str, ...], dict]], has_manifest: bool) -> t
         what = "AMD Quark MXFP4" if "quark" in methods else "vLLM fp8 config, MXFP4 experts (store_dtype mxfp4)" \
             if "fp8" in methods else f"compressed-tensors {ckpt.MXFP4_FORMAT}"
         return MXFP4_SOURCE, f"MXFP4 source ({what}): k3convert converts this"
+    if any(nvfp4.is_nvfp4(b) for _, b in blocks):
+        what = "ModelOpt" if any(b.get("quant_method") == "modelopt" for _, b in blocks) else \
+            "auto-round" if any(b.get("quant_method") == "auto-round" for _, b in blocks) else "compressed-tensors"
+        return MXFP4_SOURCE, f"NVFP4 source ({what}): k3convert converts this (docs/nvfp4.md)"
     from .verify import int4_block_problems  # imports torch (seconds): not for a source
 
     if all(not int4_block_problems(b) for _, b in blocks):
@@ -175,7 +179,7 @@ def _profile(config: dict, config_path: str) -> dict[str, Any]:
 def _plan(path: str) -> dict[str, Any]:
     """What converting gives, by the preflight itself. A source refused only for its activation
     quantization is planned again as with --drop-activation-quant, to show what would be dropped."""
-    from .plan import build_plan
+    from .run.plan import build_plan
     requires = None
     try:
         plan = build_plan(path)
@@ -186,15 +190,16 @@ def _plan(path: str) -> dict[str, Any]:
             plan, requires = build_plan(path, drop_activation_quant=True), ckpt.DROP_FLAG
         except BadInput:
             return {"error": str(e)}
-    return {"bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out, "tensors_to_convert": plan.n_convert,
-            "modules_to_bf16": plan.dequantized,
-            "source_tensors_converted": 2 * plan.n_convert, "activation": plan.activation,
-            "modules_split_across_shards": plan.straddled, "scale_convention": plan.source.scale_note,
-            "dropped": list(plan.source.dropped), "dropped_tensors": list(plan.dropped), "requires": requires}
+    return {"fp4": plan.source.source_format.rsplit(" ", 1)[-1], "bytes_in": plan.bytes_in,
+            "bytes_out": plan.bytes_out, "tensors_to_convert": plan.n_convert, "modules_to_bf16": plan.dequantized,
+            "source_tensors_converted": sum(len(c.tensors) for s in plan.shards for c in s.converts),
+            "activation": plan.activation, "modules_split_across_shards": plan.straddled,
+            "scale_convention": plan.source.scale_note, "dropped": list(plan.source.dropped),
+            "dropped_tensors": list(plan.dropped), "requires": requires}
 
 
 def _bf16_line(modules: list[str], how: str) -> list[str]:
-    """The MXFP4 modules that are not routed experts, kept exactly as bf16 (plan.Dequant)."""
+    """The MXFP4 modules that are not routed experts, kept exactly as bf16 (items.Dequant)."""
     if not modules:
         return []
     more = f", ... ({len(modules)} in all)" if len(modules) > 3 else ""
@@ -253,7 +258,7 @@ def format_info(info: dict[str, Any]) -> str:
     if plan and "error" in plan:
         lines.append(f"  conversion:   preflight fails: {plan['error']}")
     elif plan:
-        lines.append(f"  conversion:   {plan['tensors_to_convert']} MXFP4 matrices to convert "
+        lines.append(f"  conversion:   {plan['tensors_to_convert']} {plan['fp4']} matrices to convert "
                      f"({plan['source_tensors_converted']} source tensors); output {_gb(plan['bytes_out'])} "
                      f"from {_gb(plan['bytes_in'])}; {plan['modules_split_across_shards']} module(s) with "
                      "packed and scale tensors in different shards")

@@ -1,5 +1,5 @@
 """Throughput of the exact MXFP4 -> bf16 decode (converter.formats.mxfp4.to_bf16), the work a reader
-thread does for each 4 MiB piece of a module written as bf16 (plan.Dequant: the shared experts of
+thread does for each 4 MiB piece of a module written as bf16 (items.Dequant: the shared experts of
 amd-quark's templates). Realistic groups as bench_cpu_kernel's; prints the best of ``--repeats`` per
 piece (its buffers reused, as ShardConverter's readers do), as GB/s of MXFP4 read and of bf16 written, on one thread (``ShardConverter`` runs 3 readers).
 
@@ -11,11 +11,10 @@ import argparse
 import time
 
 import numpy as np
+from bench_cpu_kernel import realistic_groups
 
 from converter.formats import mxfp4
-from converter.shard import DEQUANT_PIECE
-
-from bench_cpu_kernel import realistic_groups
+from converter.run.shard import DEQUANT_PIECE
 
 
 def main() -> None:

@@ -78,7 +78,7 @@ def main() -> int:
     subprocess.run([sys.executable, "-c", "import converter.cli"], check=True)
     res["python_import_cli_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import converter.pipeline"], check=True)
+    subprocess.run([sys.executable, "-c", "import converter.run.pipeline"], check=True)
     res["python_import_pipeline_s"] = time.perf_counter() - t0
 
     import torch

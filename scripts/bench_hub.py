@@ -63,7 +63,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from converter.fixture import FixtureSpec, make_fixture
-    from converter.hub_remote import Snapshot, download, resolve  # noqa: F401
+    from converter.hub.remote import Snapshot, download, resolve  # noqa: F401
     work = args.dir or tempfile.mkdtemp(prefix="k3-bench-hub-")
     src = os.path.join(work, "src")
     if not os.path.isdir(src):
@@ -83,7 +83,7 @@ def main() -> None:
         # download alone: huggingface_hub's own download of every shard, one after another
         cache = os.path.join(work, "cache-download")
         os.environ["HF_ENDPOINT"] = server.url
-        from converter.hub_source import HubSource
+        from converter.hub.source import HubSource
         snap = resolve(HubSource(REPO))
         t = time.perf_counter()
         for n in shards:

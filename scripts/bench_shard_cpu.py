@@ -26,7 +26,8 @@ import time
 
 import torch  # noqa: F401  (imported here: the conversion runs inline, in this process)
 
-from converter.pipeline import Options, convert
+from converter.run.options import Options
+from converter.run.pipeline import convert
 
 
 def cpu_seconds() -> float:

@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_scale_rule import cpu_seconds  # noqa: E402  (one timer for the CPU benchmarks)
 
-from converter.pipeline import finalize
+from converter.run.finalize import finalize
 from converter.verify import verify
 
 

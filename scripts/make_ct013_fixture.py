@@ -21,16 +21,14 @@ import sys
 # 0.13.0 wraps pack_fp4_to_uint8 in torch.compile; eager gives the same bytes without a compiler.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
 import compressed_tensors  # noqa: E402
+import torch  # noqa: E402
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
-from compressed_tensors.quantization import (  # noqa: E402
-    QuantizationConfig, QuantizationScheme, apply_quantization_config)
+from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config  # noqa: E402
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # noqa: E402
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES  # noqa: E402
 from compressed_tensors.quantization.utils.helpers import calculate_qparams  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 WANT_VERSION = "0.13.0"
 MOE = "model.layers.1.block_sparse_moe"

@@ -18,14 +18,15 @@ import os
 import sys
 import tempfile
 
-import torch
-
 import glm5_fixture
 import ling_fixture
 import mimo_v2_fixture
 import minimax_m3_fixture
+import torch
 from conftest import all_tensors, ct_int4_values, ct_mxfp4_values
-from converter.pipeline import Options, convert
+
+from converter.run.options import Options
+from converter.run.pipeline import convert
 
 
 def swigluoai(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, beta: float = 1.0,

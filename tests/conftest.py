@@ -19,9 +19,6 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from compressed_tensors.compressors import MXFP4PackedCompressor
 from compressed_tensors.compressors.mx_utils import decompress_mx_scale
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
@@ -29,10 +26,13 @@ from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_in
 from compressed_tensors.quantization import QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import MXFP4A16
 from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from converter.cli import main as cli_main
 from converter.fixture import FixtureSpec, make_fixture
-from converter.pipeline import Options, convert
+from converter.run.options import Options
+from converter.run.pipeline import convert
 
 # The command's --workers default is auto (several processes on a large machine); the tests that
 # patch this process (a full disk, a failing read) need its one worker here, on any machine.
@@ -279,7 +279,8 @@ def converted(fixture_src, tmp_path_factory) -> Converted:
 def converted_default(tmp_path_factory):
     """(src, dst): the default K3-shaped fixture and its conversion, made once per session."""
     from converter.fixture import FixtureSpec, make_fixture
-    from converter.pipeline import Options, convert
+    from converter.run.options import Options
+    from converter.run.pipeline import convert
 
     root = tmp_path_factory.mktemp("k3default")
     src, dst = str(root / "src"), str(root / "dst")
@@ -313,6 +314,7 @@ def assert_verified_and_on_triton(src: str, dst: str, servers: tuple[str, ...] =
     """verify --source passes; stock vLLM 0.33 on gfx942 takes the experts with TRITON and ``activation``;
     and each of ``servers`` passes too."""
     import serving_rules as serving
+
     from converter.verify import verify
 
     result = verify(dst, src)

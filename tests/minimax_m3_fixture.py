@@ -18,9 +18,8 @@ import os
 import torch
 from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.quantization import QuantizationConfig
-from safetensors.torch import save_file
-
 from conftest import MXFP4_SCHEME, ct_mxfp4_encode, heavy_tailed, mxfp4_unless_excluded
+from safetensors.torch import save_file
 
 PREFIX = "language_model.model.layers"
 # layer 0 dense, layers 1 and 2 MoE (moe_layer_freq), as the real model's first layers are dense
@@ -122,8 +121,8 @@ def write_quark_template(dst: str, scheme: str = "mxfp4", seed: int = 0) -> list
     """The checkpoint as amd-quark 0.13's file-to-file export with its ``minimax_m3_vl`` template as
     shipped (config from amd-quark itself): every Linear the template does not exclude is MXFP4, the
     shared experts and dense MLPs included. Returns those non-expert modules, sorted."""
-    from safetensors.torch import load_file
     from quark.torch.quantization.config.template import LLMTemplate
+    from safetensors.torch import load_file
 
     cfg = LLMTemplate.get("minimax_m3_vl").get_config(scheme=scheme)
     write_quark(dst, cfg.to_dict(), seed)

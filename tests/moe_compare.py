@@ -19,10 +19,8 @@ from typing import Callable
 
 import torch
 import transformers
+from mixtral_fixture import IGNORE as MIXTRAL_IGNORE, is_expert_weight, tiny_mixtral, tiny_moe, write_mxfp4_checkpoint
 from transformers import Qwen3MoeConfig
-
-from mixtral_fixture import IGNORE as MIXTRAL_IGNORE
-from mixtral_fixture import is_expert_weight, tiny_mixtral, tiny_moe, write_mxfp4_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER_SCRIPT = os.path.join(ROOT, "scripts", "baseline_model_free_ptq.py")

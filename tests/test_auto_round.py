@@ -13,12 +13,20 @@ import shutil
 
 import pytest
 import torch
+from conftest import (
+    MANIFEST,
+    all_tensors,
+    assert_verified_and_on_triton,
+    ct_int4_values,
+    ct_mxfp4_values,
+    read_json,
+    with_config,
+)
 
-from conftest import (MANIFEST, all_tensors, assert_verified_and_on_triton, ct_int4_values, ct_mxfp4_values, read_json,
-                      with_config)
 from converter.errors import BadInput
 from converter.formats.auto_round import AutoRoundSource, auto_round_source
-from converter.pipeline import Options, convert
+from converter.run.options import Options
+from converter.run.pipeline import convert
 from converter.verify import brute_force_min
 
 SRC = os.path.join(os.path.dirname(__file__), "data", "auto-round", "mxfp4")

@@ -7,11 +7,23 @@ import re
 
 import pytest
 import torch
+from conftest import (
+    INDEX,
+    all_tensors,
+    assert_clean_error,
+    assert_not_complete,
+    expert_modules,
+    raw_header,
+    read_json,
+    rewrite_shard,
+    run_cli,
+    shard_names,
+    sync_index,
+    tree_hash,
+    write_json,
+)
 
 from converter.errors import BadInput
-
-from conftest import (INDEX, all_tensors, assert_clean_error, assert_not_complete, expert_modules, raw_header,
-                      read_json, rewrite_shard, run_cli, shard_names, sync_index, tree_hash, write_json)
 
 CODE = BadInput.exit_code
 

@@ -15,12 +15,13 @@ import minimax_m3_fixture as mm3
 import pytest
 from click.testing import CliRunner
 
-from converter import launches
 from converter.cli import main
 from converter.fixture import FixtureSpec, make_fixture
-from converter.hub import model_card
-from converter.pipeline import Options, convert
+from converter.hub.upload import model_card
 from converter.releases import SGLANG, VLLM
+from converter.run.options import Options
+from converter.run.pipeline import convert
+from converter.servers import launches
 
 REPO = "someone/model-int4"
 _SECTION = re.compile(r"^### `(?P<server>[a-z-]+)`", re.M)
@@ -171,7 +172,7 @@ def test_the_uploaded_readme_is_the_checked_card(k3_dst, tmp_path):
 
     from hub_standin import RecordingApi
 
-    from converter.hub import upload
+    from converter.hub.upload import upload
 
     dst = str(tmp_path / "dst")
     shutil.copytree(k3_dst, dst)

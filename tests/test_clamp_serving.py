@@ -17,13 +17,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import glm5_fixture as glm
 import ling_fixture as ling
+import pytest
+import serving_rules as serving
 from conftest import converted_model, with_config
 from server_sources import released_file
-import serving_rules as serving
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,10 @@ import re
 
 import click
 import pytest
+from conftest import INDEX, MANIFEST, REPORT, read_json, run_cli, sha256, shard_names
 
 from converter.cli import main
-from converter.pipeline import default_dst
-
-from conftest import INDEX, MANIFEST, REPORT, read_json, run_cli, sha256, shard_names
+from converter.run.options import default_dst
 
 
 def _long_opts(cmd: click.Command) -> list[str]:
@@ -113,21 +112,22 @@ def test_the_coordinating_process_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, converter.cli, converter.pipeline, converter.plan; print('torch' in sys.modules)"
+    code = "import sys, converter.cli, converter.run.pipeline, converter.run.plan; print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "False", r.stderr
 
 
 def test_devices_cpu_never_uses_a_gpu_and_gpus_get_two_workers(monkeypatch):
-    from converter import pipeline
     from converter.errors import BadInput
-    from converter.pipeline import Options, resolve_devices
+    from converter.run import selection
+    from converter.run.options import Options
+    from converter.run.selection import resolve_devices
 
-    monkeypatch.setattr(pipeline, "gpu_count", lambda: 2)
+    monkeypatch.setattr(selection, "gpu_count", lambda: 2)
     assert resolve_devices(Options(devices=["cpu"], workers=3)) == ["cpu"] * 3  # once ran on the GPUs
     assert resolve_devices(Options()) == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
     assert resolve_devices(Options(devices=["cuda:1"], workers_per_gpu=1)) == ["cuda:1"]
-    monkeypatch.setattr(pipeline, "gpu_count", lambda: 0)
+    monkeypatch.setattr(selection, "gpu_count", lambda: 0)
     assert resolve_devices(Options(workers=2)) == ["cpu", "cpu"]
     for bad in (["gpu0"], ["cpu", "cuda:0"]):
         try:
@@ -186,14 +186,14 @@ def test_dry_run_sizes_for_people_exact_bytes_in_json(fixture_src, tmp_path):
                 "--progress", "json")
     info = json.loads(r.stdout)
     assert all(isinstance(info[k], int) and info[k] > 0 for k in ("bytes_in", "bytes_out", "free_bytes_at_dst"))
-    from converter.progress import human_bytes
+    from converter.terminal.progress import human_bytes
     assert lines["bytes_out"] == human_bytes(info["bytes_out"])
 
 
 def test_figures_table_columns_align_under_their_headings():
     """Each heading is one column (two spaces apart, with its unit), right-aligned over its numbers;
     once 'relRMSE mean    worst SNR dB min out err worst' read as one run of words."""
-    from converter.validate import format_table
+    from converter.run.validate import format_table
 
     layers = [{"layer": 1, "tensors": 24, "rel_rmse_mean": 0.0955, "rel_rmse_worst": 0.1003, "snr_db_worst": 19.97,
                "out_rel_worst": 0.1135, "cmp_rel_rmse_mean": 0.1237, "cmp_ratio": 1.2953},
@@ -257,7 +257,7 @@ def test_make_fixture_shows_progress_to_its_total(tmp_path, monkeypatch):
     names = make_fixture(str(tmp_path / "f"), spec, progress=seen.append)
     written = sum(t.nbytes for n in names for t in read_header(str(tmp_path / "f" / n)).tensors.values())
     assert len(seen) > 20 and sum(seen) == fixture_bytes(spec) == written
-    from converter import progress
+    from converter.terminal import progress
     monkeypatch.setattr(progress, "LINE_EVERY_S", 0.001)  # stderr is no terminal here: a line each 1 ms
     r = run_cli("make-fixture", tmp_path / "g", "--layers", 2, "--experts", 2, "--shards", 2)
     assert r.exit_code == 0, r.output
@@ -303,7 +303,7 @@ def test_tqdm_disable_neither_crashes_nor_draws(tmp_path):
 def test_in_a_log_the_bar_is_plain_lines(fixture_src, tmp_path):
     """stderr a pipe: once one long line of carriage returns; now a plain line every LINE_EVERY_S
     (here 0.02 s) and the last state, no carriage return."""
-    fast = "import converter.progress as p; p.LINE_EVERY_S = 0.02"
+    fast = "import converter.terminal.progress as p; p.LINE_EVERY_S = 0.02"
     rc, out, err = _k3("mxfp4-to-int4", fixture_src, "-o", tmp_path / "d", "--workers", "1", prelude=fast)
     assert rc == 0, err[-2000:]
     assert "\r" not in err and "%|" not in err, err[:500]
@@ -319,7 +319,7 @@ def test_slow_steps_say_what_they_do_in_a_log(converted, tmp_path):
     """verify --source was silent for 7 s and then 15 s: each check says what it does while it runs."""
     from converter.verify import config
 
-    fast = "import converter.progress as p; p.LINE_EVERY_S = 0.05"
+    fast = "import converter.terminal.progress as p; p.LINE_EVERY_S = 0.05"
     rc, out, err = _k3("verify", converted.dst, "--source", converted.src, prelude=fast)
     assert rc == 0, out + err
     from converter.verify import DOING

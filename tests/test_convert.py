@@ -10,16 +10,36 @@ import pytest
 import torch
 from compressed_tensors.compressors import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationConfig
+from conftest import (
+    INDEX,
+    MANIFEST,
+    REPORT,
+    SPEC,
+    TABLE,
+    all_tensors,
+    assert_clean_error,
+    chunked_sha256,
+    ct_int4_q,
+    ct_mxfp4_encode,
+    ct_mxfp4_values,
+    expert_modules,
+    load_shard,
+    raw_header,
+    read_json,
+    run_cli,
+    sha256,
+    shard_names,
+    tensor_bytes,
+    tree_hash,
+    write_json,
+)
 
 from converter.errors import OutputError, ThresholdExceeded
 from converter.fixture import make_fixture
 from converter.formats import int4
+from converter.run.options import Options
+from converter.run.pipeline import convert
 from converter.state.records import read_rows
-from converter.pipeline import Options, convert
-
-from conftest import (INDEX, MANIFEST, REPORT, SPEC, TABLE, all_tensors, assert_clean_error, chunked_sha256, ct_int4_q,
-                      ct_mxfp4_encode, ct_mxfp4_values, expert_modules, load_shard, raw_header, read_json,
-                      run_cli, sha256, shard_names, tensor_bytes, tree_hash, write_json)
 
 SITU = ("hidden_act", "activation_situ_beta", "activation_situ_linear_beta")
 SIDE_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json", "modeling_kimi_k3.py")

@@ -9,16 +9,23 @@ from __future__ import annotations
 import os
 import re
 
+import glm5_fixture as glm
 import pytest
 import torch
-
-import glm5_fixture as glm
 from conftest import (
-    all_tensors, assert_verified_and_on_triton, converted_model, ct_int4_values, ct_mxfp4_values,
-    read_json, tensor_bytes)
+    all_tensors,
+    assert_verified_and_on_triton,
+    converted_model,
+    ct_int4_values,
+    ct_mxfp4_values,
+    read_json,
+    tensor_bytes,
+)
+
 from converter.errors import BadInput
 from converter.formats.match import match_name
-from converter.pipeline import Options, convert
+from converter.run.options import Options
+from converter.run.pipeline import convert
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +108,7 @@ def test_the_template_as_shipped_keeps_shared_experts_as_exact_bf16(shipped, don
     (group,) = read_json(os.path.join(dst, "config.json"))["quantization_config"]["config_groups"].values()
     assert not any(match_name(m, t) for m in SHARED for t in group["targets"])
     assert_verified_and_on_triton(src, dst)
-    from converter.hub import model_card   # the card says so; the excluding export's says nothing was decoded
+    from converter.hub.upload import model_card  # the card says so; the excluding export's says nothing was decoded
     assert "6 other MXFP4 linear(s)" in model_card(dst) and "Everything else is byte-identical" in model_card(done[1])
 
 
@@ -109,6 +116,7 @@ def test_verify_catches_a_changed_bf16_value_of_a_dequantized_module(shipped, tm
     import shutil
 
     from conftest import rewrite_shard
+
     from converter.verify import verify
     src, dst = shipped
     bad = str(tmp_path / "dst")
@@ -158,8 +166,8 @@ def test_an_incomplete_download_is_caught_by_the_inventory(tmp_path):
 def test_vllms_load_time_refusals_for_glm5(done):
     """verify --serving's loader table (converter/servers/loaders.py): GLM-5.3's model asserts TP divides the
     heads (glm5next/common/model.py 765-768) and refuses any activation but silu (202-205, 243-247)."""
-    from converter.servers import loaders
     from converter.releases.vllm_0_33 import RELEASE
+    from converter.servers import loaders
     from converter.servers.topology import Topology
     cfg = read_json(os.path.join(done[1], "config.json"))
     assert loaders.refusals(cfg, Topology(2), RELEASE) == []
@@ -171,9 +179,9 @@ def test_vllms_load_time_refusals_for_glm5(done):
 def test_bf16_pieces_of_any_size_write_the_same_shard(shipped, tmp_path, monkeypatch):
     """A dequantized module is decoded and written in row pieces at their offsets: one row a piece
     gives the same bytes as the whole module in one piece."""
-    from converter import shard
-    from converter.plan import build_plan
     from converter.quant.cpu_kernel import requantize
+    from converter.run import shard
+    from converter.run.plan import build_plan
 
     src, dst = shipped
     sp = next(s for s in build_plan(src).shards if s.dequants)
@@ -214,7 +222,8 @@ def test_a_dequantized_modules_scale_in_another_shard(shipped, tmp_path):
     import shutil
 
     from conftest import load_shard, rewrite_shard, sync_index
-    from converter.plan import build_plan
+
+    from converter.run.plan import build_plan
     src, dst = shipped
     moved, out = str(tmp_path / "src"), str(tmp_path / "dst")
     shutil.copytree(src, moved)

@@ -18,8 +18,8 @@ from hub_server import HubServer
 
 from converter.errors import BadInput
 from converter.fixture import FixtureSpec, make_fixture
-from converter.hub_remote import FIRST_RANGE
-from converter.hub_source import HubSource, parse_source
+from converter.hub.remote import FIRST_RANGE
+from converter.hub.source import HubSource, parse_source
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REPO = "org/kimi"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import os
 
-
 import converter
 
 ROOT = os.path.dirname(os.path.abspath(converter.__file__))
@@ -106,7 +105,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_lazy_imports_and_finds_a_planted_cycle():
     """The checker itself: a function-level import is an edge, and a two-module loop is found."""
     g = import_graph()
-    assert "converter.formats.safetensors_io" in g["converter.plan"]
+    assert "converter.formats.safetensors_io" in g["converter.run.plan"]
     tree = ast.parse("def f():\n    from .b import x\nif TYPE_CHECKING:\n    from .c import y\n")
     assert [n.module for n in _imports(tree)] == ["b"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -117,3 +116,31 @@ def test_the_graph_sees_lazy_imports_and_finds_a_planted_cycle():
 # registry (issue 15 §3); kernel choice lives in converter/kernels, so shard and workers are apart.
 def test_converter_has_no_import_cycle():
     assert cycles(import_graph()) == []
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The same graph between the parts of the design (docs/architecture.md): each folder of
+    converter/ one node, each top-level module one node."""
+    def part(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+    out: dict[str, set[str]] = {part(m): set() for m in graph}
+    for m, targets in graph.items():
+        out[part(m)] |= {part(t) for t in targets if part(t) != part(m) and t != "converter"}
+    return out
+
+
+# issue 31: a folder is one part of the design only if no two parts import each other
+def test_the_packages_import_one_way():
+    assert cycles(package_graph({"converter.a.x": {"converter.b.y"}, "converter.b.y": set(),
+                                 "converter.b.z": {"converter.a.w"}, "converter.a.w": set()})) \
+        == [["converter.a", "converter.b"]]
+    assert cycles(package_graph(import_graph())) == []
+
+
+KERNELS = {"converter.quant.cpu_kernel", "converter.kernels.triton_requant"}  # one kernel each, kept whole
+
+
+def test_no_module_over_600_lines_outside_the_kernels():
+    long = {m: n for m, p in _modules().items() if m not in KERNELS
+            and (n := sum(1 for _ in open(p, encoding="utf-8"))) > 600}
+    assert long == {}

@@ -22,9 +22,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from converter.quant.requant import requantize as cpu_requantize  # noqa: E402
 from interpreted import run_interpreted  # noqa: E402
 
+from converter.quant.requant import requantize as cpu_requantize  # noqa: E402
 
 
 def _mx_groups(rng: np.random.Generator, n: int, dist: str = "gauss") -> tuple[np.ndarray, np.ndarray]:

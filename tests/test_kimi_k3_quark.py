@@ -12,13 +12,21 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import (
-    all_tensors, ct_mxfp4_values, load_shard, mxfp4_unless_excluded, read_json, shard_names, sync_index,
-    tensor_bytes, write_json)
-from converter.pipeline import Options, convert
+    all_tensors,
+    ct_mxfp4_values,
+    load_shard,
+    mxfp4_unless_excluded,
+    read_json,
+    shard_names,
+    sync_index,
+    tensor_bytes,
+    write_json,
+)
+from glm5_fixture import EXPORT  # amd-quark's file2file export block (file2file_quantization.py 2289-2295)
 
-from glm5_fixture import EXPORT   # amd-quark's file2file export block (file2file_quantization.py 2289-2295)
+from converter.run.options import Options
+from converter.run.pipeline import convert
 
 
 def write_quark_k3(ct_src: str, dst: str) -> list[str]:
@@ -84,6 +92,7 @@ def test_verify_passes_and_servers_see_what_they_see_in_the_ct_build(quark_k3, c
     """verify --source checks every bf16 value; each server's serving model says of this output
     exactly what it says of the compressed-tensors build's (its experts, SiTU, sizes)."""
     import serving_rules as serving
+
     from converter.verify import verify
     src, dst, _ = quark_k3
     result = verify(dst, src, sample=None)

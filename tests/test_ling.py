@@ -13,16 +13,25 @@ from __future__ import annotations
 
 import os
 
+import ling_fixture as ling
 import pytest
 import torch
-
-import ling_fixture as ling
 from conftest import (
-    all_tensors, assert_missing_module_named, assert_verified_and_on_triton, converted_model,
-    ct_int4_values, ct_mxfp4_values, read_json, tensor_bytes, with_config)
+    all_tensors,
+    assert_missing_module_named,
+    assert_verified_and_on_triton,
+    converted_model,
+    ct_int4_values,
+    ct_mxfp4_values,
+    read_json,
+    tensor_bytes,
+    with_config,
+)
+
 from converter.errors import BadInput
 from converter.formats.match import match_name
-from converter.pipeline import Options, convert
+from converter.run.options import Options
+from converter.run.pipeline import convert
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +136,8 @@ def test_a_limit_list_of_the_wrong_type_is_refused(done, tmp_path):
 def test_vllms_load_time_refusals_for_ling(done):
     """verify --serving's loader table (converter/servers/loaders.py): Ling's MLA asserts TP divides the heads
     (bailing_moe_v3.py 480); the fixture's 2 heads load at TP 2, not at TP 4."""
-    from converter.servers import loaders
     from converter.releases.vllm_0_33 import RELEASE
+    from converter.servers import loaders
     from converter.servers.topology import Topology
     cfg = read_json(os.path.join(done[1], "config.json"))
     assert loaders.refusals(cfg, Topology(2), RELEASE) == []

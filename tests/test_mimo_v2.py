@@ -11,17 +11,25 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-
 import mimo_v2_fixture as mimo
-from conftest import (
-    all_tensors, assert_verified_and_on_triton, converted_model, ct_int4_values, ct_mxfp4_values,
-    read_json, tensor_bytes, with_config)
+import pytest
 import serving_rules as serving
+import torch
+from conftest import (
+    all_tensors,
+    assert_verified_and_on_triton,
+    converted_model,
+    ct_int4_values,
+    ct_mxfp4_values,
+    read_json,
+    tensor_bytes,
+    with_config,
+)
+
 from converter.errors import BadInput
 from converter.formats.match import match_name
-from converter.pipeline import Options, convert
+from converter.run.options import Options
+from converter.run.pipeline import convert
 from converter.verify import verify
 
 
@@ -184,7 +192,7 @@ def test_the_opt_in_writes_only_the_refused_linears_as_bf16_and_states_the_cost(
         assert record["modules"] == sorted(bf16) and "--fp8-bf16-at-tp 8" in record["why"][0]
         assert "within 2^-8 of the value" in record["values"]
     assert read_json(os.path.join(tp8, "k3convert_manifest.json"))["options"]["fp8_bf16_tp"] == 8
-    from converter.hub import model_card
+    from converter.hub.upload import model_card
     card = model_card(tp8, repo_id="org/mimo-int4")
     assert "- Except 9 FP8 linear(s) (e.g. `model.layers.0.self_attn.k_proj`) written as bf16 (--fp8-bf16-at-tp 8" \
         in card and "within 2^-8 of the value" in card
@@ -223,7 +231,7 @@ def test_the_opt_in_reads_a_scale_from_another_shard(tmp_path):
     """A q/k/v weight in one file and its scale in the next (a many-shard layout): the bf16 value is still
     the weight times its own scales (verify --source re-derives every value), and the shard's record
     hashes the partner's scale bytes (sources.partner_ranges) as it does for split MXFP4 pairs."""
-    from converter import sources
+    from converter.run import sources
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     mimo.write(src, text=mimo.FLASH_TP8, shards=11)
     index = read_json(os.path.join(src, "model.safetensors.index.json"))["weight_map"]

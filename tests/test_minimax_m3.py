@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-
 import minimax_m3_fixture as mm3
-from conftest import (
-    all_tensors, assert_missing_module_named, converted_model, ct_int4_values, ct_mxfp4_values,
-    read_json, tensor_bytes)
+import pytest
 import serving_rules as serving
+import torch
+from conftest import (
+    all_tensors,
+    assert_missing_module_named,
+    converted_model,
+    ct_int4_values,
+    ct_mxfp4_values,
+    read_json,
+    tensor_bytes,
+)
+
 from converter.formats.match import match_name
-from converter.pipeline import Options, convert
+from converter.run.options import Options
+from converter.run.pipeline import convert
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +98,8 @@ def test_a_non_expert_mxfp4_linear_becomes_exact_bf16(done, tmp_path):
     """The profile converts routed experts only: an MXFP4 attention linear (compressed-tensors names:
     X.weight_packed) becomes a plain bf16 X.weight holding exactly its MXFP4 values, left out of the
     int4 targets, and verify --source checks it; the experts are the same int4 as without it."""
-    from safetensors.torch import load_file, save_file
-
     from conftest import assert_verified_and_on_triton, ct_mxfp4_encode, write_json
+    from safetensors.torch import load_file, save_file
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     mm3.write(src)
@@ -122,6 +128,7 @@ def test_quark_w4a4_export_converts_weight_only_to_the_same_int4(done, tmp_path)
     minimax-m3-quark profile reads it, refuses it without --drop-activation-quant, and with it
     writes int4 byte-identical to the compressed-tensors route's, the dropped spec recorded."""
     from quark_fixture import export_quark_mxfp4
+
     from converter.errors import BadInput
 
     block = read_json(os.path.join(export_quark_mxfp4(str(tmp_path / "q"), variant="w4a4"), "config.json"))

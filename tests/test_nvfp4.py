@@ -14,16 +14,16 @@ import os
 import pytest
 import torch
 from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
-from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization import QuantizationScheme
+from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.quant_scheme import NVFP4A16
+from conftest import ct_int4_q
 from safetensors.torch import load_file
 
-from conftest import ct_int4_q
 from converter.errors import BadInput
-from converter.verify import brute_force_min
 from converter.formats import nvfp4
 from converter.quant import nvfp4_requant as nv
+from converter.verify import brute_force_min
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "auto-round")
 SCHEME = QuantizationScheme(targets=["Linear"], **NVFP4A16)
@@ -237,10 +237,27 @@ def test_mxfp4_groups_beside_nvfp4_are_refused():
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "nvfp4-llm-compressor"])
-def test_mxfp4_to_int4_refuses_an_nvfp4_checkpoint_in_one_line(tmp_path, name):
-    """The conversion command does not take NVFP4 yet (docs/nvfp4.md): it says so for either writer's
-    config (before, auto-round's read "quant_method='auto-round', format=None"), nothing written."""
-    from converter.pipeline import Options, convert
-    with pytest.raises(BadInput, match="describes NVFP4 weights.*does not convert NVFP4 checkpoints yet") as e:
-        convert(os.path.join(DATA, name), str(tmp_path / "dst"), Options(drop_activation_quant=True))
-    assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "dst" / "config.json")
+def test_mxfp4_to_int4_converts_auto_rounds_nvfp4_exports(tmp_path, name):
+    """auto-round's own exports (either format; W4A4, so with the flag) convert and verify against the
+    source: every packed linear at requantize_module's bytes, the manifest naming the writer's NVFP4.
+    (Before, the command refused NVFP4 checkpoints in one line.)"""
+    from conftest import all_tensors, read_json, run_cli
+
+    from converter.verify import verify
+    src, dst = os.path.join(DATA, name), str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src, "-o", dst, "--drop-activation-quant", "--progress", "none")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert read_json(os.path.join(dst, "k3convert_manifest.json"))["source_format"] == \
+        ("auto-round NVFP4" if name == "nvfp4" else "compressed-tensors NVFP4")
+    config, t = _load(name)
+    out = all_tensors(dst)
+    src_nv = nvfp4.read(config, "config.json", drop=True)
+    mods = src_nv.modules(t)
+    assert len(mods) == 10
+    for m in mods:
+        res = nv.requantize_module(t[f"{m}.weight_packed"], t[f"{m}.weight_scale"], src_nv.global_scale(t, m))
+        assert torch.equal(out[f"{m}.weight_packed"][1], res.words) and torch.equal(out[f"{m}.weight_scale"][1],
+                                                                                      res.scales), m
+    assert not any(n.endswith(("global_scale", "input_global_scale")) for n in out)
+    result = verify(dst, src, sample=None)
+    assert result.ok, [(c.name, c.problems) for c in result.checks if not c.ok]

@@ -13,13 +13,25 @@ import shutil
 import sys
 
 import pytest
+from conftest import (
+    INDEX,
+    MANIFEST,
+    REPORT,
+    SPEC,
+    assert_clean_error,
+    assert_not_complete,
+    expert_modules,
+    read_json,
+    rewrite_shard,
+    run_cli,
+    sync_index,
+    tree_hash,
+    write_json,
+)
 
 from converter import profiles
 from converter.fixture import FixtureSpec, config as k3_config
 from converter.inspect import format_info, inspect_path
-
-from conftest import (INDEX, MANIFEST, REPORT, SPEC, assert_clean_error, assert_not_complete, expert_modules,
-                      read_json, rewrite_shard, run_cli, sync_index, tree_hash, write_json)
 
 if sys.version_info >= (3, 11):
     import tomllib

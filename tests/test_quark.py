@@ -24,17 +24,34 @@ import pytest
 import torch
 from compressed_tensors.quantization import QuantizationConfig
 from compressed_tensors.utils import match_named_modules, match_quantizable_tensors
+from conftest import (
+    MANIFEST,
+    REPORT,
+    all_tensors,
+    assert_clean_error,
+    ct_int4_q,
+    read_json,
+    run_cli,
+    tensor_bytes,
+    tree_hash,
+    write_json,
+)
+from quark_fixture import (
+    KNOWN_MODULE,
+    TINY_CONFIG,
+    export_quark_mxfp4,
+    known_rows,
+    load_reference_model,
+    quark_dequantize,
+)
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
-
-from conftest import (MANIFEST, REPORT, all_tensors, assert_clean_error, ct_int4_q, read_json,
-                      run_cli, tensor_bytes, tree_hash, write_json)
-from converter.pipeline import Options, convert
-from converter.verify import brute_force_min
-from quark_fixture import (KNOWN_MODULE, TINY_CONFIG, export_quark_mxfp4, known_rows, load_reference_model,
-                           quark_dequantize)
 from test_bad_input import refused
 from test_real_loader import load as load_dst
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from converter.run.options import Options
+from converter.run.pipeline import convert
+from converter.verify import brute_force_min
 
 DROP = "--drop-activation-quant"
 LAYERS, EXPERTS = TINY_CONFIG["num_hidden_layers"], TINY_CONFIG["num_experts"]

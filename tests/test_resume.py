@@ -29,13 +29,14 @@ from click.testing import CliRunner
 from conftest import sha256, shard_names, tree_hash
 
 import converter.fixture as fixture_mod
-from converter import pipeline
 from converter.cli import main as cli_main
 from converter.errors import BadInput, OutputError
 from converter.fixture import FixtureSpec, make_fixture
 from converter.formats import safetensors_io
-from converter.pipeline import Options, convert
-from converter.plan import build_plan
+from converter.run import pipeline
+from converter.run.options import Options
+from converter.run.pipeline import convert
+from converter.run.plan import build_plan
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = "k3convert_manifest.json"
@@ -339,8 +340,10 @@ def test_ctrl_c_exits_130_promptly_then_resumes(slow, slow_dst):
     assert failed[-1]["exit_code"] == 130
     assert not partials(dst)  # the shard in progress was dropped on the way out
     assert_not_complete(dst)
+    # every shard reported done is kept; a shard whose record was written just before the stop may not
+    # have reached its "done" event yet (the record comes first): kept too, and resume takes it as done
     finished = records(dst)
-    assert finished == run.shards("done") and len(finished) >= 1
+    assert run.shards("done") <= finished and len(run.shards("done")) >= 1
 
     _resume(src, dst, ref, finished)
     assert tree_hash(src) == src_hash

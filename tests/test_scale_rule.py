@@ -15,14 +15,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
-
 from conftest import ct_int4_q, raw_header, read_json, run_cli
 from interpreted import run_interpreted
+from safetensors import safe_open
 
-from converter.pipeline import Options
 from converter.quant import cpu_kernel, server_rule
 from converter.quant.rules import optimum_qmin
+from converter.run.options import Options
 from converter.verify import verify
 
 MXFP4_LIST = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -369,9 +368,9 @@ def test_job_file_takes_the_rule(both, tmp_path):
 def test_comparison_pass_gives_the_fused_figures(both, tmp_path, rule):
     """The GPU path's comparison (a second kernel over the batch, as when the optimal kernel gives
     no server error on the way), run here with the torch references: the same figures."""
-    from converter.plan import build_plan
     from converter.quant import requant
-    from converter.shard import ShardConverter
+    from converter.run.plan import build_plan
+    from converter.run.shard import ShardConverter
 
     src, out = both
     sp = max(build_plan(src).shards, key=lambda s: len(s.converts))

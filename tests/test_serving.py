@@ -13,27 +13,24 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
-
+import serving_rules as serving
 import torch
-
 from compressed_tensors.compressors import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from compressed_tensors.quantization.quant_scheme import W4A16
-
-import serving_rules as serving
-from converter.servers import loaders
-from converter.releases import VLLM
-from converter.servers import check
-from converter.servers.rules import RULES, SERVERS, ServingRequest
+from conftest import SPEC, ct_mxfp4_encode, read_json, rewrite_shard, run_cli, shard_names, sync_index, write_json
+from server_sources import released_file
 from serving_rules import rules as check_serving, rules_of as evaluate
+
+from converter.fixture import FixtureSpec, make_fixture
+from converter.releases import VLLM
+from converter.run.options import Options
+from converter.run.pipeline import convert
+from converter.servers import check, loaders
+from converter.servers.rules import RULES, SERVERS, ServingRequest
 from converter.servers.topology import Topology, local_experts, pp_stages
 from converter.vllm_plugin import route
-from conftest import (SPEC, ct_mxfp4_encode, read_json, rewrite_shard, run_cli, shard_names, sync_index,
-                      write_json)
-from converter.fixture import FixtureSpec, make_fixture
-from server_sources import released_file
-from converter.pipeline import Options, convert
 
 LAYER = "language_model.model.layers.1.block_sparse_moe.experts"   # the first MoE layer (shard 2)
 SHORT = 120             # a finding's line (issue 23 section 4); the citations are under --verbose
@@ -453,6 +450,7 @@ def test_int4_targets_select_exactly_the_converted_modules():
     entry that would catch vLLM's expert names is dropped, others kept; kept experts the pattern
     would catch are ignored (under both names); non-expert converted modules by exact name."""
     from compressed_tensors.utils.match import match_name
+
     from converter.formats.dialect import int4_targets
 
     layer = "model.layers.{}.mlp.experts"

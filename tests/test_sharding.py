@@ -34,20 +34,34 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import (INDEX, MANIFEST, MXFP4_SCHEME, REPORT, assert_clean_error, assert_not_complete, ct_mxfp4_encode,
-                      raw_header, read_json, rewrite_shard, run_cli, shard_names, tensor_bytes, tree_hash, write_json)
+from compressed_tensors.compressors import MXFP4PackedCompressor
+from conftest import (
+    INDEX,
+    MANIFEST,
+    MXFP4_SCHEME,
+    REPORT,
+    assert_clean_error,
+    assert_not_complete,
+    ct_mxfp4_encode,
+    raw_header,
+    read_json,
+    rewrite_shard,
+    run_cli,
+    shard_names,
+    tensor_bytes,
+    tree_hash,
+    write_json,
+)
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from compressed_tensors.compressors import MXFP4PackedCompressor
-
-import converter.shard as shard_mod
+import converter.run.shard as shard_mod
 from converter.errors import Interrupted, OutputError
-from converter.fixture import FixtureSpec
-from converter.fixture import config as k3_config
+from converter.fixture import FixtureSpec, config as k3_config
 from converter.inspect import inspect_path
-from converter.pipeline import Options, convert
+from converter.run.options import Options
+from converter.run.pipeline import convert
 
 REPO = Path(__file__).resolve().parents[1]
 STATE = ".k3convert"

@@ -23,14 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from converter import jobfile
-from converter.cli import mxfp4_to_int4
-from converter.fixture import FixtureSpec, make_fixture
-
-from conftest import (INDEX, MANIFEST, assert_not_complete, ct_mxfp4_encode, expert_modules, raw_header, read_json,
-                      run_cli, tree_hash)
+from conftest import (
+    INDEX,
+    MANIFEST,
+    assert_not_complete,
+    ct_mxfp4_encode,
+    expert_modules,
+    raw_header,
+    read_json,
+    run_cli,
+    tree_hash,
+)
 from loop_mounts import two_mounts  # noqa: F401 (a fixture)
+
+from converter.cli import jobfile, mxfp4_to_int4
+from converter.fixture import FixtureSpec, make_fixture
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "slurm_array.sh"

@@ -30,14 +30,27 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from conftest import (
+    INDEX,
+    MANIFEST,
+    REPORT,
+    assert_clean_error,
+    assert_not_complete,
+    ct_mxfp4_encode,
+    load_shard,
+    read_json,
+    rewrite_shard,
+    run_cli,
+    sha256,
+    shard_names,
+    sync_index,
+    tree_hash,
+    write_json,
+)
 
 from converter.errors import BadInput, OutputError
 from converter.formats.safetensors_io import Layout, OutTensor, ShardWriter
 from converter.state.files import STATE_DIR
-
-from conftest import (INDEX, MANIFEST, REPORT, assert_clean_error, assert_not_complete, ct_mxfp4_encode,
-                      load_shard, read_json, rewrite_shard, run_cli, sha256, shard_names, sync_index, tree_hash,
-                      write_json)
 
 BAD, OUT = BadInput.exit_code, OutputError.exit_code
 

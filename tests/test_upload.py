@@ -28,15 +28,15 @@ import pytest
 from click.testing import CliRunner
 from hub_standin import RecordingApi
 
-from converter import hub as hub_module
-from converter import publish
 from converter.cli import main
 from converter.errors import VerifyFailed
 from converter.fixture import FixtureSpec, make_fixture
-from converter.hub import model_card, upload, upload_files
+from converter.hub import publish, upload as hub_module
+from converter.hub.upload import model_card, upload, upload_files
+from converter.run.options import Options
+from converter.run.pipeline import convert
 from converter.state.files import MANIFEST
 from converter.state.records import write_json
-from converter.pipeline import Options, convert
 
 REPO = "someone/kimi-k3-int4"
 

@@ -42,10 +42,10 @@ from typing import Any, Literal
 
 import pytest
 import regex
+import server_sources
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-import server_sources
 from converter.vllm_plugin import layout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -159,7 +159,11 @@ def ct_config_cls(ns: dict) -> type:
     QuantizationConfig base that holds only what its __init__ sets (packed_modules_mapping)."""
     from compressed_tensors.config import CompressionFormat, SparsityCompressionConfig
     from compressed_tensors.quantization import (
-        ActivationOrdering, QuantizationArgs, QuantizationStrategy, QuantizationType)
+        ActivationOrdering,
+        QuantizationArgs,
+        QuantizationStrategy,
+        QuantizationType,
+    )
     from compressed_tensors.transform import TransformConfig
 
     class QuantizationConfig:
@@ -352,7 +356,8 @@ def k3_configs(tmp_path_factory) -> dict[str, dict]:
     from conftest import SPEC, ct_mxfp4_encode
 
     from converter.fixture import make_fixture
-    from converter.pipeline import Options, convert
+    from converter.run.options import Options
+    from converter.run.pipeline import convert
 
     for rel in NEEDED:       # skip (or fail) before converting when the sources are absent
         src(rel)

@@ -14,13 +14,14 @@ from __future__ import annotations
 import os
 import subprocess
 
-import pytest
-
 import ling_fixture as ling
+import pytest
 from conftest import read_json
-from converter.pipeline import Options, convert
 from test_vllm_mimo_v2 import FP8_INPUT, FP8_WEIGHT
 from test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods, vllm_python
+
+from converter.run.options import Options
+from converter.run.pipeline import convert
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +82,9 @@ def assert_fp8_refusals_are_vllms(family: str, dst: str, tps: tuple[int, ...], t
     (tests/vllm_scripts/fp8_block_tp.py, validate_fp8_block_shape run as released), refuses exactly
     the FP8 block linears converter/servers/fp8_tp.py names; returns vLLM's refusals per TP."""
     import serving_rules as serving
-    from converter.servers import fp8_tp
+
     from converter.releases import NEWEST_VLLM
+    from converter.servers import fp8_tp
     from converter.servers.topology import Topology
     out = str(tmp_path / f"{family}-tp.json")
     run = subprocess.run([vllm_python(), FP8_TP_SCRIPT, family, out, dst, *map(str, tps)], capture_output=True,

@@ -11,7 +11,6 @@ Absent, a test skips saying which; with K3CONVERT_REQUIRE_VLLM=1 it fails instea
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import subprocess
@@ -20,15 +19,13 @@ import types
 from pathlib import Path
 
 import pytest
+import server_sources  # noqa: E402 - tests/server_sources.py: vLLM's and aiter's own layout code
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-from converter.fixture import FixtureSpec
-from converter.fixture import config as k3_config
+from converter.fixture import FixtureSpec, config as k3_config
 from converter.formats.dialect import int4_block
 from converter.vllm_plugin import layout, route
-
-import server_sources  # noqa: E402 - tests/server_sources.py: vLLM's and aiter's own layout code
 
 HERE = Path(__file__).parent
 REQUIRE = os.environ.get("K3CONVERT_REQUIRE_VLLM") == "1"

@@ -24,11 +24,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from converter.fixture import FixtureSpec, make_fixture
-
 from conftest import run_cli
 from test_vllm_plugin import source, vllm_python
+
+from converter.fixture import FixtureSpec, make_fixture
 
 HERE = Path(__file__).parent
 TOL = 0.02     # the simulated kernel's bf16 stages against the float32 compressed-tensors reference

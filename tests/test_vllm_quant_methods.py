@@ -17,9 +17,10 @@ import shutil
 import subprocess
 
 import pytest
-
 from conftest import read_json, write_json
-from converter.pipeline import Options, convert
+
+from converter.run.options import Options
+from converter.run.pipeline import convert
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "vllm_scripts", "k3_quant_methods.py")
 MOE_INT4 = "CompressedTensorsWNA16MoEMethod"

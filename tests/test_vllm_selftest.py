@@ -11,14 +11,13 @@ import gc
 import os
 import weakref
 
+import aiter_sim
 import pytest
+import server_sources
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 from converter.vllm_plugin import layout, repair, route, selftest
-
-import aiter_sim
-import server_sources
 
 BETA, LINEAR_BETA = 4.0, 25.0
 

@@ -40,10 +40,9 @@ import subprocess
 import warnings
 from dataclasses import dataclass, field
 
+import moe_compare as mc
 import pytest
 import torch
-
-import moe_compare as mc
 from conftest import INDEX, read_json, rewrite_shard, sync_index
 
 REQUIRE = os.environ.get("K3CONVERT_REQUIRE_VLLM") == "1"

@@ -6,13 +6,17 @@ import inspect
 import json
 
 import pytest
-
-from converter import cli, devices, digest, workers
-from converter.cli import eta, human_bytes, human_seconds, rate_line
-from converter.pipeline import Options, convert, plan_workers, resolve_devices
-from converter.workers import THREADS_PER_WORKER, choose_cpu_workers, cpu_workers, worker_bytes
-
 from conftest import SPEC, run_cli
+
+from converter import devices
+from converter.run import workers
+from converter.run.options import Options
+from converter.run.pipeline import convert
+from converter.run.selection import plan_workers, resolve_devices
+from converter.run.workers import THREADS_PER_WORKER, choose_cpu_workers, cpu_workers, worker_bytes
+from converter import digest
+from converter.terminal import progress as cli
+from converter.terminal.progress import eta, human_bytes, human_seconds, rate_line
 
 GiB = 1 << 30
 PER = worker_bytes(THREADS_PER_WORKER)
@@ -57,8 +61,8 @@ def test_chooser_invariants(cores, memory, shards):
 
 def test_worker_bytes_are_shard_converters_pools():
     """The memory estimate counts the buffers ShardConverter really allocates (shard.py)."""
-    from converter import shard
     from converter.quant.cpu_kernel import requantize
+    from converter.run import shard
 
     params = inspect.signature(shard.ShardConverter).parameters
     assert (params["readers"].default, params["writers"].default) == (workers.READERS, workers.WRITERS)
@@ -145,7 +149,7 @@ def test_progress_line_and_events_carry_the_choice(fixture_src, tmp_path, capsys
     plan = next(f for k, f in events if k == "plan")
     c = cpu_workers(None, SPEC.shards)
     assert plan["workers"].startswith(f"cpu: {c.workers} worker(s) x {c.threads} thread(s) (auto: ")
-    progress = cli._Progress("bar")
+    progress = cli.Progress("bar")
     progress("plan", plan)
     progress.close()
     assert f"converting {SPEC.shards} of {SPEC.shards} shards; {plan['workers']}" in capsys.readouterr().err
@@ -184,7 +188,7 @@ def test_no_eta_until_data_has_flowed(monkeypatch, capsys):
     assert eta(2 * 10**9, 12 * 10**9, 2.5) == "800 MB/s, 12.5 s left"
     clock = [1000.0]
     monkeypatch.setattr(cli.time, "monotonic", lambda: clock[0])
-    bar = cli._Progress("bar")
+    bar = cli.Progress("bar")
     bar("plan", {"todo": 1, "shards": 1, "bytes_in": 10**10, "devices": ["cpu"], "workers": "cpu: 1 worker(s)"})
     clock[0] += 30.0                       # workers start up
     bar("bytes", {"n": 10**6})             # a shard's header

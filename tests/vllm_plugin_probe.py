@@ -13,7 +13,7 @@ import sys
 import types
 from pathlib import Path
 
-import server_sources   # tests/server_sources.py, beside this script
+import server_sources  # tests/server_sources.py, beside this script
 
 
 def resolve(model_dir: str) -> dict:
@@ -32,8 +32,8 @@ def resolve(model_dir: str) -> dict:
 
 
 def rocm(model_dir: str) -> dict:
-    from vllm.plugins import load_general_plugins
     from vllm.platforms import current_platform
+    from vllm.plugins import load_general_plugins
 
     load_general_plugins()
     from vllm import _aiter_ops

@@ -13,10 +13,17 @@ import math
 import os
 from typing import Any
 
-from .. import activation_fields as activation_reader
 from ..errors import BadInput
 from ..safepath import plain_name, source_file
-from . import auto_round, compressed_tensors, fp8_mxfp4, json_input, nvfp4, quark  # noqa: F401  (importing a dialect registers it)
+from . import (  # noqa: F401  (importing a dialect registers it)
+    activation_fields as activation_reader,
+    auto_round,
+    compressed_tensors,
+    fp8_mxfp4,
+    json_input,
+    nvfp4,
+    quark,
+)
 from .dialect import (  # noqa: F401
     DIALECTS,
     DROP_FLAG,
@@ -27,6 +34,7 @@ from .dialect import (  # noqa: F401
     SHAPE,
     MXFP4Source,
     dotted,
+    mxfp4_format,
     named,
     quant_blocks,
 )
@@ -56,7 +64,8 @@ def is_mxfp4(block: dict) -> bool:
 
 
 def dialect(config: dict, config_path: str) -> str:
-    """The registered dialect whose MXFP4 blocks config.json holds, by name; else BadInput.
+    """The registered dialect whose MXFP4 blocks config.json holds, by name (``nvfp4`` for NVFP4 blocks of
+    any layout, docs/nvfp4.md); else BadInput.
 
     One checkpoint, one dialect: blocks of two dialects (a top-level Quark block beside a
     nested compressed-tensors one) are refused by name, never read as either.
@@ -73,9 +82,8 @@ def dialect(config: dict, config_path: str) -> str:
     for p, b in blocks:
         if p in claimed and claimed[p].is_mxfp4(b):
             return claimed[p].name
-    if fp4 := [p for p, b in blocks if nvfp4.is_nvfp4(b)]:
-        raise BadInput(f"{dotted(fp4[0])} describes NVFP4 weights (E2M1 with FP8 scales per 16), not MXFP4: "
-                       "mxfp4-to-int4 does not convert NVFP4 checkpoints yet (docs/nvfp4.md)", file=config_path)
+    if any(nvfp4.is_nvfp4(b) for _, b in blocks):
+        return nvfp4.DIALECT   # E2M1 with FP8 scales per 16 (docs/nvfp4.md): its reader names what it refuses
     if names == {"quark"}:
         return "quark"  # its reader names what is not MXFP4
     p, b = blocks[0]
@@ -84,6 +92,16 @@ def dialect(config: dict, config_path: str) -> str:
                    f"k3convert converts compressed-tensors {MXFP4_FORMAT}, AMD Quark MXFP4 and vLLM fp8 (store_dtype "
                    f"mxfp4, or routed_experts_quant_method mxfp4) checkpoints",
                    file=config_path)
+
+
+def source_format(quantization: dict) -> str | None:
+    """The ``source_format`` a source of this manifest ``quantization`` record states (the source
+    classes' own property), or None for a dialect this tool does not know."""
+    name = quantization.get("dialect")
+    if name == nvfp4.DIALECT:
+        layout = next((x for x in nvfp4.Layout if x.value == quantization.get("layout")), None)
+        return nvfp4.nvfp4_format(layout) if layout else None
+    return mxfp4_format(name) if name in DIALECTS else None
 
 
 def mxfp4_source(config: dict, config_path: str, drop: bool = False, dialect_name: str | None = None
@@ -99,7 +117,7 @@ def activation_fields(config: dict, keys: tuple[str, ...] = (), config_path: str
                       ) -> dict[str, tuple[Any, str]]:
     """Each activation field the model reads (SiTU's, and ``keys``): (value, "text_config" or
     "top-level"); a field stated at top level beside a text_config that lacks it or says otherwise
-    is refused (converter.activation_fields, the one reader)."""
+    is refused (converter.formats.activation_fields, the one reader)."""
     try:
         return activation_reader.find(config, SITU_FIELDS + tuple(keys))
     except activation_reader.ActivationConflict as e:

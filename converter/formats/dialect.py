@@ -63,6 +63,17 @@ class MXFP4Source:
     def selects(self, module: str) -> bool:
         raise NotImplementedError
 
+    @property
+    def source_format(self) -> str:
+        """What the manifest and report say the source holds (``checkpoint.source_format`` reads it back)."""
+        return mxfp4_format(self.dialect)
+
+    @property
+    def restated_files(self) -> tuple[str, ...]:
+        """Side files that only describe the source's quantization: not copied (config.json's int4 block
+        is DST's one description)."""
+        return ()
+
     def int4_config(self, config: dict, converted: list[str], unconverted: list[str],
                     rule: str = DEFAULT_RULE) -> dict:
         """``config`` with each MXFP4 block replaced by :func:`int4_block` (written with ``rule``)."""
@@ -92,6 +103,11 @@ class MXFP4Source:
             if name.endswith(old):
                 return name[: -len(old)] + new
         return name
+
+
+def mxfp4_format(dialect: str) -> str:
+    """``source_format`` of an MXFP4 source of ``dialect``."""
+    return f"{dialect} MXFP4"
 
 
 def source_name(name: str, renames: Any) -> str:

@@ -1,4 +1,4 @@
-"""FP8 block linears (e4m3 weight, one fp32 scale per block) decoded to bf16 (``plan.Fp8Dequant``).
+"""FP8 block linears (e4m3 weight, one fp32 scale per block) decoded to bf16 (``items.Fp8Dequant``).
 
 The value is what a server's block dequantization computes: each e4m3 value as fp32 times its
 block's fp32 scale (one correctly rounded fp32 product), then rounded to bf16 (round to nearest

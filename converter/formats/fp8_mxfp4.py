@@ -73,7 +73,7 @@ class Fp8Mxfp4Source(MXFP4Source):
     ignore_suffix: bool = False     # Ling: ignored_layers match as suffixes (bailing_moe_v3.py 236)
     weight_block: tuple[int, int] = (128, 128)
     fp8_modules: tuple[str, ...] = ()
-    bf16_modules: tuple[str, ...] = ()   # FP8 linears written as bf16 (plan.Fp8Dequant), not in fp8_modules
+    bf16_modules: tuple[str, ...] = ()   # FP8 linears written as bf16 (items.Fp8Dequant), not in fp8_modules
     bf16_why: tuple[str, ...] = ()       # why, one line per reason (the manifest's fp8_to_bf16)
 
     def selects(self, module: str) -> bool:
@@ -91,27 +91,9 @@ class Fp8Mxfp4Source(MXFP4Source):
         fp8 = (n[: -len(FP8_SCALE)] for n in tensors if n.endswith(FP8_SCALE))
         return replace(self, fp8_modules=tuple(sorted(m for m in fp8 if not self._expert_scale(m))))
 
-    def with_bf16(self, config: dict, tensors: Any, tp: int | None = None) -> "Fp8Mxfp4Source":
-        """This source with the FP8 linears written as bf16 moved out of ``fp8_modules``: always the
-        FP8 shards of a layer vLLM fuses with a linear that is not FP8 (``fp8_tp.bf16_modules``: under
-        compressed-tensors vLLM builds it unquantized and would load their e4m3 values unscaled, e.g.
-        Ling's KDA qkvb_proj when the source keeps b_proj out of FP8); with ``tp`` also every FP8
-        linear vLLM's compressed-tensors FP8 scheme refuses at TP ``tp`` (``--fp8-bf16-at-tp``)."""
-        from ..releases import NEWEST_VLLM
-        from ..servers import fp8_tp
-        from ..servers.topology import Topology
-        linears = [n[: -len(".weight")] for n, t in tensors.items() if n.endswith(".weight") and len(t.shape) == 2]
-        mixed = fp8_tp.bf16_modules(config, self.fp8_modules, linears)
-        why = [f"{len(mixed)} FP8 linear(s) that vLLM fuses with a linear that is not FP8 (it would build the fused "
-               "layer unquantized and load their e4m3 values unscaled)"] if mixed else []
-        refused: set[str] = set()
-        if tp is not None:
-            weights = {m: tensors.get(f"{m}.weight") for m in self.fp8_modules}   # tensor_problems names a bad one
-            shapes = {m: tuple(w.shape) for m, w in weights.items() if w is not None and len(w.shape) == 2}
-            refused = fp8_tp.refused_modules(config, shapes, self.weight_block, Topology(tp), NEWEST_VLLM) - mixed
-            why.append(f"--fp8-bf16-at-tp {tp}: {len(refused)} FP8 linear(s) vLLM's compressed-tensors FP8 scheme "
-                       f"refuses at TP {tp}")
-        bf16 = mixed | refused
+    def with_bf16(self, bf16: set[str], why: list[str]) -> "Fp8Mxfp4Source":
+        """This source with the FP8 linears ``bf16`` (chosen by the plan from what vLLM does with them:
+        ``run.plan``) moved out of ``fp8_modules``, ``why`` recorded."""
         return replace(self, fp8_modules=tuple(m for m in self.fp8_modules if m not in bf16),
                        bf16_modules=tuple(sorted(bf16)), bf16_why=tuple(why))
 

@@ -19,13 +19,26 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import BadInput
+from ..quant.rules import DEFAULT as DEFAULT_RULE
 from .auto_round import QUANT_METHOD as AUTO_ROUND, AutoRoundSource, auto_round_source
-from .dialect import DROP_FLAG, dotted, drop_or_refuse, quant_blocks
+from .dialect import (
+    DROP_FLAG,
+    Dialect,
+    MXFP4Source,
+    dotted,
+    drop_or_refuse,
+    int4_block,
+    int4_targets,
+    quant_blocks,
+    register,
+    with_blocks,
+)
 from .match import LINEAR, CtRule
 
 if TYPE_CHECKING:   # the requantizer imports numba: only when a module is converted
@@ -42,22 +55,72 @@ class Layout(Enum):
     MODELOPT = "ModelOpt NVFP4"
 
 
-@dataclass(frozen=True)
-class Nvfp4Source:
-    """Where a checkpoint keeps its NVFP4 linears, which ones, and how to read their values."""
+DIALECT = "nvfp4"   # the registered name profiles and the manifest use for every NVFP4 layout
+_WRITER = {Layout.COMPRESSED_TENSORS: "compressed-tensors", Layout.AUTO_ROUND: "auto-round",
+           Layout.MODELOPT: "ModelOpt"}
+# safetensors' dtype names of torch's, for the checks shared by headers (plan) and loaded tensors
+_ST_DTYPE = {"uint8": "U8", "float8_e4m3fn": "F8_E4M3", "float32": "F32"}
+Described = tuple[str, tuple[int, ...]]   # (safetensors dtype, shape) of a tensor
 
-    layout: Layout
-    blocks: tuple[tuple[str, ...], ...]
-    packed_suffix: str
-    global_suffix: str
-    divide: bool                                   # value = ... / global (else * global)
+
+def nvfp4_format(layout: Layout) -> str:
+    """What the manifest and report call a source of ``layout`` (``source_format``)."""
+    return f"{_WRITER[layout]} NVFP4"
+
+
+@dataclass(frozen=True)
+class Nvfp4Source(MXFP4Source):
+    """Where a checkpoint keeps its NVFP4 linears, which ones, and how to read their values.
+
+    An :class:`MXFP4Source` for the plan and the manifest (same suffix fields, same int4 output config);
+    ``global_suffix`` and ``divide`` say where the per-tensor FP32 scale is and how it applies."""
+
+    layout: Layout = Layout.COMPRESSED_TENSORS
+    global_suffix: str = "weight_global_scale"
+    divide: bool = True                            # value = ... / global (else * global)
     rule: Callable[[str], bool] = field(compare=False, default=lambda m: True)
-    dropped: tuple[dict, ...] = ()
-    dropped_tensors: tuple[str, ...] = ()
-    scale_suffix: str = "weight_scale"
+
+    @property
+    def source_format(self) -> str:
+        return nvfp4_format(self.layout)
+
+    @property
+    def restated_files(self) -> tuple[str, ...]:
+        """ModelOpt's exporter describes the NVFP4 quantization again in ``hf_quant_config.json``:
+        copied, it would describe DST's int4 weights as NVFP4."""
+        return (MODELOPT_FILE,) if self.layout is Layout.MODELOPT else ()
 
     def selects(self, module: str) -> bool:
         return self.rule(module)
+
+    def problem(self, m: str, packed: Described, scale: Described | None, gs: Described | None) -> str | None:
+        """Why module ``m``'s three tensors (dtype and shape, from a header or loaded) are not an NVFP4
+        linear this tool converts, or None. ``packed`` is a U8 ``packed_suffix`` tensor."""
+        if scale is None or gs is None:
+            return f"packed NVFP4 needs {self.scale_suffix} and {self.global_suffix} beside it"
+        if not self.selects(m):
+            return f"packed NVFP4, but the quantization config does not select {m}"
+        if scale[0] != "F8_E4M3" or gs[0] != "F32":
+            return f"expected F8_E4M3 {self.scale_suffix} and F32 {self.global_suffix}, got {scale[0]} and {gs[0]}"
+        shape = packed[1]
+        if len(shape) != 2 or not shape[0] or not shape[1] or (2 * shape[1]) % GROUP \
+                or tuple(scale[1]) != (shape[0], 2 * shape[1] // BLOCK):
+            return (f"shape {list(shape)} with scale {list(scale[1])}: expected in-dim a multiple of {GROUP} and "
+                    f"scale [out, in/{BLOCK}]")
+        if math.prod(gs[1]) != 1:
+            return f"{self.global_suffix} must be one finite positive number"
+        return None
+
+    def value_problem(self, scale: Any, gs: Any) -> str | None:
+        """Why loaded block scales (float8_e4m3fn) and global scale (F32, one value) cannot be decoded."""
+        import torch
+
+        g = float(gs.reshape(()))
+        if not (g > 0 and g < float("inf")):
+            return f"{self.global_suffix} must be one finite positive number"
+        if bool(torch.isnan(scale.float()).any() or (scale.float() < 0).any()):
+            return f"{self.scale_suffix} holds NaN or negative E4M3 scales"
+        return None
 
     def modules(self, tensors: dict[str, Any], where: str = "") -> list[str]:
         """Every NVFP4 linear of ``tensors`` (name -> torch tensor), checked: one line per problem.
@@ -66,6 +129,10 @@ class Nvfp4Source:
         must be [out, in/16] and its global scale one finite positive number."""
         import torch
 
+        def described(t: Any) -> Described | None:
+            return None if t is None else (_ST_DTYPE.get(str(t.dtype).removeprefix("torch."), str(t.dtype)),
+                                           tuple(t.shape))
+
         suffix = "." + self.packed_suffix
         found, problems = [], []
         for name, t in sorted(tensors.items()):
@@ -73,22 +140,10 @@ class Nvfp4Source:
                 continue
             m = name[: -len(suffix)]
             scale, gs = tensors.get(f"{m}.{self.scale_suffix}"), tensors.get(f"{m}.{self.global_suffix}")
-            at = f"{where}tensor {name}"
-            if scale is None or gs is None:
-                problems.append(f"{at}: packed NVFP4 needs {self.scale_suffix} and {self.global_suffix} beside it")
-            elif not self.selects(m):
-                problems.append(f"{at}: packed NVFP4, but the quantization config does not select {m}")
-            elif scale.dtype != torch.float8_e4m3fn or gs.dtype != torch.float32:
-                problems.append(f"{at}: expected F8_E4M3 {self.scale_suffix} and F32 {self.global_suffix}, got "
-                                f"{scale.dtype} and {gs.dtype}")
-            elif (t.dim() != 2 or (2 * t.shape[1]) % GROUP
-                  or tuple(scale.shape) != (t.shape[0], 2 * t.shape[1] // BLOCK)):
-                problems.append(f"{at}: shape {list(t.shape)} with scale {list(scale.shape)}: expected in-dim a "
-                                f"multiple of {GROUP} and scale [out, in/{BLOCK}]")
-            elif gs.numel() != 1 or not (float(gs.reshape(())) > 0 and float(gs.reshape(())) < float("inf")):
-                problems.append(f"{at}: {self.global_suffix} must be one finite positive number")
-            elif bool(torch.isnan(scale.float()).any() or (scale.float() < 0).any()):
-                problems.append(f"{at}: {self.scale_suffix} holds NaN or negative E4M3 scales")
+            why = self.problem(m, ("U8", tuple(t.shape)), described(scale), described(gs)) \
+                or self.value_problem(scale, gs)
+            if why:
+                problems.append(f"{where}tensor {name}: {why}")
             else:
                 found.append(m)
         if problems:
@@ -99,10 +154,32 @@ class Nvfp4Source:
         from ..quant.nvfp4_requant import GlobalScale
         return GlobalScale(float(tensors[f"{module}.{self.global_suffix}"].reshape(())), self.divide)
 
+    def int4_config(self, config: dict, converted: list[str], unconverted: list[str],
+                    rule: str = DEFAULT_RULE) -> dict:
+        """Each NVFP4 block replaced by the int4 block every MXFP4 dialect writes (``int4_block``); a
+        compressed-tensors ignore list and kv-cache scheme are kept as its MXFP4 dialect keeps them,
+        ModelOpt's fnmatch excludes are not compressed-tensors patterns and are not carried."""
+        ct = self.layout is Layout.COMPRESSED_TENSORS
+
+        def make(old: dict) -> dict:
+            keep = {k: old[k] for k in ("kv_cache_scheme",) if ct and old.get(k) is not None}
+            return int4_block(*int4_targets(converted, unconverted, (old.get("ignore") or []) if ct else []), keep,
+                              rule)
+        return with_blocks(config, self.blocks, make)
+
     def record(self) -> dict[str, Any]:
-        return {"layout": self.layout.value, "blocks": [dotted(p) for p in self.blocks],
-                "packed_suffix": self.packed_suffix, "global_suffix": self.global_suffix,
-                "global_applies": "divide" if self.divide else "multiply", "dropped": list(self.dropped)}
+        return {"dialect": self.dialect, "layout": self.layout.value, "blocks": [dotted(p) for p in self.blocks],
+                "packed_suffix": self.packed_suffix, "scale_suffix": self.scale_suffix,
+                "global_suffix": self.global_suffix, "global_applies": "divide" if self.divide else "multiply",
+                "scale_convention": self.scale_note, "dropped": list(self.dropped)}
+
+
+def _source(layout: Layout, blocks: tuple, packed: str, global_suffix: str, divide: bool, rule: Callable[[str], bool],
+            dropped: tuple, dropped_tensors: tuple) -> Nvfp4Source:
+    note = f"E4M3 scale per {BLOCK}, FP32 {global_suffix} ({'divides' if divide else 'multiplies'})"
+    return Nvfp4Source(dialect=DIALECT, blocks=blocks, packed_suffix=packed, scale_note=note, dropped=dropped,
+                       dropped_tensors=dropped_tensors, layout=layout, global_suffix=global_suffix, divide=divide,
+                       rule=rule)
 
 
 def _ct_problems(block: dict, where: str, drop: bool, dropped: list[dict]) -> list[str]:
@@ -142,9 +219,11 @@ def _compressed_tensors(blocks: list, config_path: str, drop: bool) -> Nvfp4Sour
     if problems:
         raise BadInput("; ".join(problems), file=config_path)
     rule = CtRule.of(tuple(targets) or ("Linear",), tuple(ignore))
-    return Nvfp4Source(Layout.COMPRESSED_TENSORS, tuple(p for p, _ in blocks), "weight_packed", "weight_global_scale",
-                       True, lambda m: bool(rule(m, LINEAR)), tuple(dropped),
-                       (".input_global_scale",) if dropped else ())
+    return _source(Layout.COMPRESSED_TENSORS, tuple(p for p, _ in blocks), "weight_packed", "weight_global_scale",
+                   True, lambda m: bool(rule(m, LINEAR)), tuple(dropped), (".input_global_scale",) if dropped else ())
+
+
+MODELOPT_FILE = "hf_quant_config.json"
 
 
 def _modelopt(path: tuple[str, ...], block: dict, config_path: str, drop: bool) -> Nvfp4Source:
@@ -165,9 +244,9 @@ def _modelopt(path: tuple[str, ...], block: dict, config_path: str, drop: bool) 
     if problems:
         raise BadInput("; ".join(problems), file=config_path)
     exclude = tuple(q.get("exclude_modules") or q.get("ignore") or ())
-    return Nvfp4Source(Layout.MODELOPT, (path,), "weight", "weight_scale_2", False,
-                       lambda m: not any(fnmatch.fnmatchcase(m, p) for p in exclude),
-                       tuple(dropped), (".input_scale", ".k_scale", ".v_scale") if dropped else ())
+    return _source(Layout.MODELOPT, (path,), "weight", "weight_scale_2", False,
+                   lambda m: not any(fnmatch.fnmatchcase(m, p) for p in exclude),
+                   tuple(dropped), (".input_scale", ".k_scale", ".v_scale") if dropped else ())
 
 
 def is_nvfp4(block: dict) -> bool:
@@ -200,8 +279,13 @@ def read(config: dict, config_path: str, drop: bool = False) -> Nvfp4Source:
     if method == "modelopt":
         return _modelopt(*blocks[0], config_path, drop)
     ar: AutoRoundSource = auto_round_source(config, config_path, drop, kind="NVFP4")
-    return Nvfp4Source(Layout.AUTO_ROUND, ar.blocks, "weight_packed", "weight_global_scale", True, ar.selects,
-                       ar.dropped, (".input_global_scale",) if ar.dropped else ())
+    return _source(Layout.AUTO_ROUND, ar.blocks, "weight_packed", "weight_global_scale", True, ar.selects,
+                   ar.dropped, (".input_global_scale",) if ar.dropped else ())
 
 
-__all__ = ["DROP_FLAG", "Layout", "Nvfp4Source", "is_nvfp4", "read"]
+# Registered so that profiles and manifests can name it; it claims no block: ``checkpoint.dialect``
+# names it for a config that ``is_nvfp4`` (the MXFP4 dialects claim the same blocks as not MXFP4).
+register(Dialect(DIALECT, lambda _b: False, lambda _b: False, read))
+
+
+__all__ = ["DIALECT", "DROP_FLAG", "Layout", "Nvfp4Source", "is_nvfp4", "nvfp4_format", "read"]

@@ -114,7 +114,7 @@ def _evaluate(ctx: Context, topo: Topology) -> list[RuleResult]:
 
 def evaluate_at(ctx: Context, topo: Topology) -> list[RuleResult]:
     """The rule results at ``topo`` against a context built once (``context``): many launches, one
-    read of the headers (the model card checks several; converter.launches)."""
+    read of the headers (the model card checks several; converter.servers.launches)."""
     return _evaluate(ctx, topo)
 
 

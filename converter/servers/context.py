@@ -27,7 +27,7 @@ class Context:
 
 def activation(config: dict | None) -> dict[str, Any]:
     """hidden_act (lower-case; the servers' default 'silu' when absent) and SiTU's betas, read where
-    the model reads them (converter.activation_fields): BadInput for a field stated at top level only."""
+    the model reads them (converter.formats.activation_fields): BadInput for a field stated at top level only."""
     fields = {k: v for k, (v, _) in ckpt.activation_fields(config or {}).items()}
     fields["hidden_act"] = str(fields.get("hidden_act", "silu")).lower()
     return fields

@@ -167,6 +167,27 @@ def refused_modules(config: Mapping[str, Any] | None, shapes: Mapping[str, tuple
     return out
 
 
+def written_as_bf16(config: Mapping[str, Any], fp8: Collection[str], block: tuple[int, int] | None,
+                    tensors: Mapping[str, Any], tp: int | None, release: Release) -> tuple[set[str], list[str]]:
+    """The FP8 linears a conversion writes as bf16, and why: always the FP8 shards of a layer vLLM
+    fuses with a linear that is not FP8 (``bf16_modules``: under compressed-tensors vLLM builds it
+    unquantized and would load their e4m3 values unscaled, e.g. Ling's KDA qkvb_proj when the source
+    keeps b_proj out of FP8); with ``tp`` (``--fp8-bf16-at-tp``) also every FP8 linear vLLM's
+    compressed-tensors FP8 scheme refuses at TP ``tp``. ``tensors``: the source's, by name."""
+    linears = [n[: -len(".weight")] for n, t in tensors.items() if n.endswith(".weight") and len(t.shape) == 2]
+    mixed = bf16_modules(config, fp8, linears)
+    why = [f"{len(mixed)} FP8 linear(s) that vLLM fuses with a linear that is not FP8 (it would build the fused "
+           "layer unquantized and load their e4m3 values unscaled)"] if mixed else []
+    refused: set[str] = set()
+    if tp is not None:
+        weights = {m: tensors.get(f"{m}.weight") for m in fp8}   # the plan's tensor check names a bad one
+        shapes = {m: tuple(w.shape) for m, w in weights.items() if w is not None and len(w.shape) == 2}
+        refused = refused_modules(config, shapes, block, Topology(tp), release) - mixed
+        why.append(f"--fp8-bf16-at-tp {tp}: {len(refused)} FP8 linear(s) vLLM's compressed-tensors FP8 scheme "
+                   f"refuses at TP {tp}")
+    return mixed | refused, why
+
+
 def _layer(module: str) -> int | None:
     """The decoder layer index in ``...layers.N....`` (None outside the layers)."""
     parts = module.split(".")

@@ -15,9 +15,9 @@ from typing import Mapping
 
 from ..errors import BadInput
 from ..formats import checkpoint as ckpt, match
+from ..formats.checkpoint import PACKED, SCALE
 from ..formats.dialect import is_fp8_block_group
 from ..formats.safetensors_io import TensorInfo, read_header
-from ..plan import PACKED, SCALE
 from ..releases import Family, all_kimi_model_types
 
 BITS = 4

@@ -90,7 +90,7 @@ def reading(dst: str):
     write (a read-only mount, someone else's published snapshot) gets no lock file of ours (T17):
     its ``read.lock``, if it has one, is taken through a read-only descriptor (flock needs no
     write access), else no lock is taken. Either way upload commits only bytes it checked
-    against the manifest (converter.publish), lock or not."""
+    against the manifest (converter.hub.publish), lock or not."""
     busy = "a k3convert run is changing it (a redo, --overwrite or finalize): upload it when that run has finished"
     if os.access(dst, os.W_OK):
         return _read_lock(dst, fcntl.LOCK_SH, busy)

@@ -14,23 +14,16 @@ from ..errors import BadInput, ConvertError, VerifyFailed
 from ..formats import checkpoint as ckpt
 from ..formats.json_input import ListOf, MapOf, Nullable, type_problems
 from ..formats.safetensors_io import Header, TensorInfo, read_header
-from ..plan import PACKED
 from ..quant.rules import RULE_KEY, RULES as SCALE_RULES, ScaleRule, recorded_rule
+from ..run.plan import PACKED
 from ..safepath import plain_name
 from ..state.files import MANIFEST
+from ..state.manifest import Manifest
 from ..state.records import read_json
 
 # The types of the DST fields verify reads (formats.json_input.type_problems): a field of
 # another type fails verification naming it (exit 5), never a TypeError further on.
-_FINGERPRINT = {"size": int, "edge_blake2b": str, "mtime_ns": int}
-MANIFEST_TYPES = {
-    "tool": str, "version": str, "status": str, "complete": bool, "source_format": str, "target_format": str,
-    "digest_algorithm": str, "activation": dict, "options": dict,
-    "source": {"path": str, "shards": MapOf(_FINGERPRINT), "profile": dict,
-               "quantization": {"dialect": str, "packed_suffix": str, "scale_bias": int, "blocks": ListOf(str)}},
-    "shards": MapOf({"bytes": int, "digest": str}),
-    "files": MapOf({"bytes": int, "digest": str}),
-}
+MANIFEST_TYPES = Manifest.TYPES
 INDEX_TYPES = {"metadata": {"total_size": int}, "weight_map": MapOf(str)}
 CONFIG_TYPES = {"text_config": Nullable(dict)}
 BLOCK_TYPES = {

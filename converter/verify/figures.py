@@ -7,14 +7,15 @@ import os
 
 from ..checks import Check
 from ..errors import VerifyFailed
-from ..plan import PACKED
+from ..run.plan import PACKED
+from ..run.validate import error_ratio, ratio_line
 from ..state.files import REPORT, TENSOR_TABLE
+from ..state.manifest import Report
 from ..state.records import read_rows
-from ..validate import error_ratio, ratio_line
 from .context import Context
 from .dst import _typed, converted_modules, read_obj, scale_rule
 
-REPORT_TYPES = {"tensors": int}
+REPORT_TYPES = Report.TYPES
 ROW_TYPES = {"name": str, "rel_rmse": float, "max_abs": float}
 
 

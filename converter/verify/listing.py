@@ -11,7 +11,7 @@ import os
 
 from ..checks import Check
 from ..digest import file_digest
-from ..outputs import accepted, listing, named_by
+from ..run.outputs import accepted, listing, named_by
 from ..safepath import regular_problem
 from ..state.files import MANIFEST
 from .context import Context

@@ -6,6 +6,7 @@ from ..checks import Check
 from ..digest import ALGORITHM as DIGEST_ALGORITHM
 from ..formats import checkpoint as ckpt
 from ..formats.dialect import TARGET_FORMAT
+from ..state.manifest import Status
 from .context import Context
 
 
@@ -16,7 +17,7 @@ def run(ctx: Context) -> list[Check]:
         c.fail(f"tool is {m.get('tool')!r}, not 'k3convert'")
     if m.get("complete") is not True:
         c.fail(f"not complete (status {m.get('status')!r}): finish the conversion first")
-    elif m.get("status") != "complete":
+    elif m.get("status") != Status.COMPLETE:
         c.fail(f"complete, but status is {m.get('status')!r}, not 'complete'")
     # what the manifest says DST holds and how its digests were taken: exactly what this tool writes
     if m.get("target_format") != TARGET_FORMAT:
@@ -24,10 +25,12 @@ def run(ctx: Context) -> list[Check]:
     if m.get("digest_algorithm") != DIGEST_ALGORITHM:
         c.fail(f"digest_algorithm is {m.get('digest_algorithm')!r}: the checksums are taken as "
                f"{DIGEST_ALGORITHM!r}")
-    dialect = ((m.get("source") or {}).get("quantization") or {}).get("dialect")
-    if dialect not in ckpt.DIALECTS or m.get("source_format") != f"{dialect} MXFP4":
-        c.fail(f"source_format is {m.get('source_format')!r}, source.quantization.dialect {dialect!r}: "
-               f"expected one of {', '.join(repr(f'{n} MXFP4') for n in sorted(ckpt.DIALECTS))}, naming the dialect")
+    quant = (m.get("source") or {}).get("quantization") or {}
+    want = ckpt.source_format(quant)   # what the source's own ``source_format`` states
+    if want is None or m.get("source_format") != want:
+        known = ", ".join(repr(ckpt.mxfp4_format(n)) for n in sorted(ckpt.DIALECTS)) + " or an NVFP4 layout's"
+        c.fail(f"source_format is {m.get('source_format')!r}, source.quantization.dialect {quant.get('dialect')!r}: "
+               f"expected {repr(want) if want else 'one of ' + known}, naming the dialect")
     if m.get("complete") is True:  # every source shard has its output shard of the same name, and no other
         listed = set((m.get("source") or {}).get("shards") or {})
         for name in sorted(listed - set(m.get("shards") or {})):

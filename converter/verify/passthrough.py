@@ -1,13 +1,14 @@
 """Check "passthrough" (with --source): sampled tensors the conversion did not produce are
 byte-identical to the source's (under the name the dialect gave them there), and the MXFP4
-modules written as bf16 (``plan.Dequant``) hold exactly the values their MXFP4 bytes encode, and
-the FP8 linears written as bf16 (``plan.Fp8Dequant``) their e4m3 values times the block scales."""
+modules written as bf16 (``items.Dequant``) hold exactly the values their MXFP4 bytes encode, and
+the FP8 linears written as bf16 (``items.Fp8Dequant``) their e4m3 values times the block scales."""
 from __future__ import annotations
 
 from ..checks import Check
 from ..formats import checkpoint as ckpt
 from ..formats.dialect import source_name
-from ..plan import PACKED, SCALE, SHAPE, UNQUANTIZED
+from ..run.items import UNQUANTIZED
+from ..run.plan import PACKED, SCALE, SHAPE
 from .context import Context
 from .dst import converted_modules
 from .reader import Tensors

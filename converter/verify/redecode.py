@@ -7,8 +7,9 @@ import math
 
 from ..checks import Check
 from ..formats import checkpoint as ckpt
-from ..plan import PACKED, SCALE, SHAPE
+from ..formats.nvfp4 import DIALECT as NVFP4
 from ..quant.rules import OPTIMA
+from ..run.plan import PACKED, SCALE, SHAPE
 from .context import Context
 from .dst import scale_rule
 from .optimum import brute_force_min, has_minus_8, same_as_rule
@@ -18,6 +19,16 @@ from .sample import spread
 REL_TOL = 1e-6         # re-decoded relative RMSE vs the recorded figure
 OPT_GROUPS = 8         # groups per tensor checked against a brute-force optimum
 OPT_TENSORS = 8        # tensors whose groups are checked that way (the first sampled ones)
+
+
+def nvfp4_values(s_t: Tensors, m: str, quant: dict):
+    """Module ``m``'s NVFP4 values in float64 (``nvfp4_requant.decode``), its three tensors and how its
+    global scale applies as the manifest's source record says; KeyError names a missing tensor."""
+    from ..quant.nvfp4_requant import GlobalScale, decode
+
+    g = s_t.get(f"{m}.{quant['global_suffix']}")
+    return decode(s_t.get(f"{m}.{quant['packed_suffix']}"), s_t.get(f"{m}.{quant.get('scale_suffix', SCALE)}"),
+                  GlobalScale(float(g.reshape(())), quant.get("global_applies") == "divide"))
 
 
 def run(ctx: Context) -> list[Check]:
@@ -40,15 +51,19 @@ def run(ctx: Context) -> list[Check]:
     quant = (d.manifest.get("source") or {}).get("quantization") or {}
     packed_suffix, bias = quant.get("packed_suffix", PACKED), int(quant.get("scale_bias", 127))
     scale_suffix = quant.get("scale_suffix", SCALE)   # Ling: X.weight_scale_inv
+    nvfp4_source = quant.get("dialect") == NVFP4   # E4M3 scales per 16 and a global scale (docs/nvfp4.md)
     names = spread(sorted(rows), ctx.sample)
     worst_dev, opt_groups = 0.0, 0
     for i, name in enumerate(names):
         m = name[: -len(PACKED) - 1]
         try:
-            src_packed, src_scales = s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{scale_suffix}")
-            if src_scales.dtype == torch.float8_e8m0fnu:   # safetensors F8_E8M0: the same bytes as uint8
-                src_scales = src_scales.view(torch.uint8)
-            w = mxfp4.decode(src_packed, src_scales, bias, torch.float64)
+            if nvfp4_source:
+                w = nvfp4_values(s_t, m, quant)
+            else:
+                src_packed, src_scales = s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{scale_suffix}")
+                if src_scales.dtype == torch.float8_e8m0fnu:   # safetensors F8_E8M0: the same bytes as uint8
+                    src_scales = src_scales.view(torch.uint8)
+                w = mxfp4.decode(src_packed, src_scales, bias, torch.float64)
         except KeyError as e:
             c.fail(f"{m}: the source has no {e.args[0]}")
             continue
@@ -79,7 +94,9 @@ def run(ctx: Context) -> list[Check]:
             c.fail(f"{name}: re-decoded max abs error {max_abs:.9g}, table says {rows[name]['max_abs']:.9g}")
         if rule.optimum and rule.qmin > -8 and has_minus_8(words):
             opt.fail(f"{m}: code -8 written, outside the {rule} rule's range [{rule.qmin}, 7]")
-        if not rule.optimum:
+        if not rule.optimum and nvfp4_source:
+            opt.fail(f"{m}: an NVFP4 source is converted at the optimum only, DST's config says {rule}")
+        elif not rule.optimum:
             opt_groups += same_as_rule(m, src_packed, src_scales, bias, words, int4_scales, opt)
         elif i < OPT_TENSORS:
             g_err = (diff * diff).reshape(-1, 32).sum(1)

@@ -6,7 +6,7 @@ import os
 from ..checks import Check
 from ..errors import BadInput
 from ..formats import checkpoint as ckpt
-from ..plan import metadata_value
+from ..run.plan import metadata_value
 from ..state.files import MANIFEST
 from .context import Context
 

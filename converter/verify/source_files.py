@@ -12,10 +12,10 @@ from ..digest import file_digest
 from ..errors import ConvertError
 from ..formats import checkpoint as ckpt
 from ..formats.safetensors_io import Header
-from ..outputs import BOOKKEEPING, CONFIG, Expected, expected
-from ..plan import README, build_plan
+from ..run.outputs import BOOKKEEPING, CONFIG, Expected, expected
+from ..run.plan import README, build_plan
+from ..run.sources import profile_argument
 from ..safepath import open_regular, read_regular
-from ..sources import profile_argument
 from ..state.records import json_bytes
 from .context import Context
 from .dst import existing_dir, scale_rule

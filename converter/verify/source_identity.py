@@ -21,8 +21,8 @@ def run(ctx: Context) -> list[Check]:
         if not os.path.exists(path):
             c.fail(f"{name}: not in {src}")
             continue
-        if "sha256" in fp:   # a Hub source: the commit's LFS SHA-256 (converter.hub_convert)
-            from ..hub_remote import sha256_of
+        if "sha256" in fp:   # a Hub source: the commit's LFS SHA-256 (converter.hub.convert)
+            from ..digest import sha256_of
             if os.path.getsize(path) != fp.get("size") or sha256_of(path) != fp["sha256"]:
                 c.fail(f"{name}: differs from the file converted ({fp.get('hub')}@{fp.get('commit')}: SHA-256)")
             continue

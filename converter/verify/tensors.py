@@ -6,7 +6,7 @@ import os
 
 from ..checks import Check
 from ..formats import checkpoint as ckpt
-from ..plan import PACKED, SCALE, SHAPE
+from ..run.plan import PACKED, SCALE, SHAPE
 from .context import Context
 from .dst import converted_modules
 

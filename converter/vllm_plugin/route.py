@@ -10,7 +10,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ..activation_fields import SITU_FIELDS, ActivationConflict, find as find_activation
+from ..formats.activation_fields import SITU_FIELDS, ActivationConflict, find as find_activation
 from ..releases import NEWEST_VLLM, Release, all_kimi_model_types, proven_vllm, unbuilt, vllm_release
 
 NAME = "k3convert-int4-gfx942"
@@ -74,7 +74,7 @@ def size_problem(hidden: int, inter_per_rank: int) -> str | None:
 
 def situ_fields(hf_config: Any) -> dict[str, Any]:
     """K3's SiTU fields where vLLM's KimiMoE reads them, by the converter's own reader
-    (converter.activation_fields); a field stated at top level beside text_config is refused: vLLM
+    (converter.formats.activation_fields); a field stated at top level beside text_config is refused: vLLM
     would build the experts from text_config's (KimiLinearConfig's default hidden_act is silu)."""
     try:
         return {k: v for k, (v, _) in find_activation(hf_config, SITU_FIELDS).items()}

@@ -39,10 +39,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]      # tests/ (aiter_sim, server_sources), this folder
 
-import torch  # noqa: E402
-
 import aiter_sim  # noqa: E402
 import server_sources  # noqa: E402
+import torch  # noqa: E402
 from k3_quant_methods import free_port, tiny_model_dir  # noqa: E402
 
 LAYER = 1

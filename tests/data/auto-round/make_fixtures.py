@@ -28,9 +28,9 @@ KEEP = ("config.json", "quantization_config.json", "model.safetensors")
 
 
 def base_model(root: str) -> str:
+    from mixtral_fixture import tiny_mixtral
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from mixtral_fixture import tiny_mixtral
 
     path = os.path.join(root, "base")
     tiny_mixtral(seed=7, **SIZES).save_pretrained(path)

@@ -1,0 +1,1 @@
+"""The Hugging Face Hub: converting straight from it, and publishing a checked DST to it."""
