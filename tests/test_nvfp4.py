@@ -128,22 +128,29 @@ def test_auto_rounds_own_format_reads_the_same_values():
         assert torch.allclose(va, ct_values(ta, m).double(), rtol=1e-6, atol=0), m
 
 
+MODELOPT_NAMES = {"weight_packed": "weight", "weight_global_scale": "weight_scale_2",
+                  "input_global_scale": "input_scale"}
+
+
+def to_modelopt(t: dict) -> dict:
+    """compressed-tensors NVFP4 tensors under ModelOpt's names, its FP32 scales inverted (ModelOpt
+    multiplies by them): the inverse of compressed-tensors' ModelOptNvfp4Converter.process."""
+    out = {}
+    for n, x in t.items():
+        m, _, p = n.rpartition(".")
+        if p in MODELOPT_NAMES:
+            out[f"{m}.{MODELOPT_NAMES[p]}"] = x if p == "weight_packed" else (1 / x).reshape(())
+        else:
+            out[n] = x
+    return out
+
+
 def modelopt_checkpoint() -> tuple[dict, dict]:
     """The llm_compressor export in ModelOpt's layout: X.weight (U8), X.weight_scale, X.weight_scale_2 =
     1 / weight_global_scale, X.input_scale = 1 / input_global_scale (the inverse of compressed-tensors'
     ModelOptNvfp4Converter.process)."""
     _, t = _load("nvfp4-llm-compressor")
-    out = {}
-    for n, x in t.items():
-        m, _, p = n.rpartition(".")
-        if p == "weight_packed":
-            out[f"{m}.weight"] = x
-        elif p == "weight_global_scale":
-            out[f"{m}.weight_scale_2"] = (1 / x).reshape(())
-        elif p == "input_global_scale":
-            out[f"{m}.input_scale"] = (1 / x).reshape(())
-        else:
-            out[n] = x
+    out = to_modelopt(t)
     config = {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
                                       "exclude_modules": ["lm_head", "*block_sparse_moe.gate"]}}
     return config, out

@@ -37,6 +37,8 @@ from conftest import (
 )
 from safetensors.torch import save_file
 
+from test_nvfp4 import to_modelopt
+
 from converter.quant import nvfp4_requant as nv
 from converter.state.records import read_rows
 from converter.verify import verify
@@ -98,20 +100,6 @@ def _tensors(w4a4: bool = False) -> dict[str, torch.Tensor]:
     return t
 
 
-def _to_modelopt(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same bytes under ModelOpt's names (the inverse of compressed-tensors' ModelOpt converter)."""
-    out = {}
-    for n, x in t.items():
-        m, _, p = n.rpartition(".")
-        if p == "weight_packed":
-            out[f"{m}.weight"] = x
-        elif p == "weight_global_scale":
-            out[f"{m}.weight_scale_2"] = (1 / x).reshape(())
-        else:
-            out[n] = x
-    return out
-
-
 def write_source(root: str, tensors: dict[str, torch.Tensor], quant: dict) -> str:
     """Two shards (layer 0 and the embedding; the rest), one module's scales in the other shard."""
     os.makedirs(root)
@@ -131,7 +119,7 @@ def sources(tmp_path_factory) -> dict[str, str]:
     base = tmp_path_factory.mktemp("nvfp4")
     t = _tensors()
     out = {"compressed-tensors": write_source(str(base / "ct"), t, _ct_quant(False)),
-           "modelopt": write_source(str(base / "modelopt"), _to_modelopt(t), MODELOPT_CONFIG)}
+           "modelopt": write_source(str(base / "modelopt"), to_modelopt(t), MODELOPT_CONFIG)}
     for root in out.values():
         write_json(os.path.join(root, "tokenizer_config.json"), {"model_max_length": 256})
     # ModelOpt's exporter states the quantization again beside config.json
