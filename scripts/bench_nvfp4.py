@@ -96,10 +96,12 @@ def main() -> None:
             src = nvfp4.read(json.load(f), "config.json", drop=True)
         t = load_file(os.path.join(root, "model.safetensors"))
         tot = dict(err2=0.0, ref2=0.0, server=0.0, groups=0, us=0.0)
-        for m in src.modules(t):
+        suffix = "." + src.packed_suffix
+        for m in sorted(n[: -len(suffix)] for n, x in t.items() if n.endswith(suffix) and x.dtype == torch.uint8):
             packed = t[f"{m}.{src.packed_suffix}"]
+            gs = nv.GlobalScale(float(t[f"{m}.{src.global_suffix}"].reshape(())), src.divide)
             t0 = time.perf_counter()
-            r = nv.requantize_module(packed, t[f"{m}.weight_scale"], src.global_scale(t, m))
+            r = nv.requantize_module(packed, t[f"{m}.weight_scale"], gs)
             tot["us"] += (time.perf_counter() - t0) * 1e6
             tot["err2"] += r.err2
             tot["ref2"] += r.ref2

@@ -25,6 +25,40 @@ from converter.formats import nvfp4
 from converter.quant import nvfp4_requant as nv
 from converter.verify import brute_force_min
 
+# safetensors' dtype names of torch's: the header checks (Nvfp4Source.problem) applied to loaded tensors
+ST_DTYPE = {"uint8": "U8", "float8_e4m3fn": "F8_E4M3", "float32": "F32"}
+
+
+def modules(src: nvfp4.Nvfp4Source, tensors: dict) -> list[str]:
+    """Every NVFP4 linear of loaded ``tensors``, checked by the reader's own rules (``Nvfp4Source.problem``
+    on dtypes and shapes, ``global_problem`` and ``scale_problem`` on values); BadInput naming each problem."""
+    def described(t):
+        return None if t is None else (ST_DTYPE.get(str(t.dtype).removeprefix("torch."), str(t.dtype)),
+                                       tuple(t.shape))
+
+    suffix = "." + src.packed_suffix
+    found, problems = [], []
+    for name, t in sorted(tensors.items()):
+        if not name.endswith(suffix) or t.dtype != torch.uint8:
+            continue
+        m = name[: -len(suffix)]
+        scale, gs = tensors.get(f"{m}.{src.scale_suffix}"), tensors.get(f"{m}.{src.global_suffix}")
+        why = src.problem(m, ("U8", tuple(t.shape)), described(scale), described(gs))
+        if why is None:
+            why = nvfp4.global_problem(float(gs.reshape(()))) or nvfp4.scale_problem(scale)
+        if why:
+            problems.append(f"tensor {name}: {why}")
+        else:
+            found.append(m)
+    if problems:
+        raise BadInput("; ".join(problems))
+    return found
+
+
+def global_scale(src: nvfp4.Nvfp4Source, tensors: dict, m: str) -> nv.GlobalScale:
+    return nv.GlobalScale(float(tensors[f"{m}.{src.global_suffix}"].reshape(())), src.divide)
+
+
 DATA = os.path.join(os.path.dirname(__file__), "data", "auto-round")
 SCHEME = QuantizationScheme(targets=["Linear"], **NVFP4A16)
 
@@ -104,14 +138,14 @@ def test_compressed_tensors_layout_decodes_as_compressed_tensors_does():
     config, t = _load("nvfp4-llm-compressor")
     assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
     src = nvfp4.read(config, "config.json", drop=True)
-    mods = src.modules(t)
+    mods = modules(src, t)
     assert len(mods) == 10 and all(("experts" in m) or ("self_attn" in m) for m in mods)
     for m in mods:
-        ours = nv.decode(t[f"{m}.weight_packed"], t[f"{m}.weight_scale"], src.global_scale(t, m))
+        ours = nv.decode(t[f"{m}.weight_packed"], t[f"{m}.weight_scale"], global_scale(src, t, m))
         ref = ct_values(t, m).double()
         assert torch.allclose(ours, ref, rtol=1e-6, atol=0), m
         swapped = (t[f"{m}.weight_packed"] >> 4) | (t[f"{m}.weight_packed"] << 4)
-        wrong = nv.decode(swapped, t[f"{m}.weight_scale"], src.global_scale(t, m))
+        wrong = nv.decode(swapped, t[f"{m}.weight_scale"], global_scale(src, t, m))
         assert float((wrong - ref).norm() / ref.norm()) > 0.3, m
 
 
@@ -122,9 +156,9 @@ def test_auto_rounds_own_format_reads_the_same_values():
     cb, tb = _load("nvfp4-llm-compressor")
     assert ca["quantization_config"]["quant_method"] == "auto-round" and ca["quantization_config"]["data_type"] == "nv_fp"
     a, b = nvfp4.read(ca, "config.json", drop=True), nvfp4.read(cb, "config.json", drop=True)
-    assert a.layout is nvfp4.Layout.AUTO_ROUND and a.modules(ta) == b.modules(tb)
-    for m in a.modules(ta):
-        va = nv.decode(ta[f"{m}.weight_packed"], ta[f"{m}.weight_scale"], a.global_scale(ta, m))
+    assert a.layout is nvfp4.Layout.AUTO_ROUND and modules(a, ta) == modules(b, tb)
+    for m in modules(a, ta):
+        va = nv.decode(ta[f"{m}.weight_packed"], ta[f"{m}.weight_scale"], global_scale(a, ta, m))
         assert torch.allclose(va, ct_values(ta, m).double(), rtol=1e-6, atol=0), m
 
 
@@ -165,14 +199,14 @@ def test_modelopt_layout_decodes_as_compressed_tensors_converter_reads_it():
     config, t = modelopt_checkpoint()
     src = nvfp4.read(config, "config.json", drop=True)
     assert src.layout is nvfp4.Layout.MODELOPT and not src.divide
-    mods = src.modules(t)
+    mods = modules(src, t)
     assert len(mods) == 10
     ct = ModelOptNvfp4Converter(ignore=["lm_head", "re:.*block_sparse_moe\\.gate$"], targets=["Linear"]).process(dict(t))
     for m in mods:
-        ours = nv.decode(t[f"{m}.weight"], t[f"{m}.weight_scale"], src.global_scale(t, m))
+        ours = nv.decode(t[f"{m}.weight"], t[f"{m}.weight_scale"], global_scale(src, t, m))
         ref = ct_values({k: v.reshape(1) if k.endswith("global_scale") else v for k, v in ct.items()}, m).double()
         assert torch.allclose(ours, ref, rtol=1e-6, atol=0), m
-        wrong = nv.decode(t[f"{m}.weight"], t[f"{m}.weight_scale"], nv.GlobalScale(src.global_scale(t, m).value, True))
+        wrong = nv.decode(t[f"{m}.weight"], t[f"{m}.weight_scale"], nv.GlobalScale(global_scale(src, t, m).value, True))
         assert float((wrong - ref).norm() / ref.norm()) > 0.3, m
 
 
@@ -184,8 +218,8 @@ def test_module_is_optimal_and_beats_the_server_rule():
     its total error is below the server's RTN rule's."""
     config, t = _load("nvfp4-llm-compressor")
     src = nvfp4.read(config, "config.json", drop=True)
-    for m in src.modules(t)[:3]:
-        packed, scales, gs = t[f"{m}.weight_packed"], t[f"{m}.weight_scale"], src.global_scale(t, m)
+    for m in modules(src, t)[:3]:
+        packed, scales, gs = t[f"{m}.weight_packed"], t[f"{m}.weight_scale"], global_scale(src, t, m)
         r = nv.requantize_module(packed, scales, gs)
         rows, cols = packed.shape[0], packed.shape[1] * 2
         q = ct_int4_q(r.words, torch.tensor([rows, cols])).double()
@@ -215,7 +249,7 @@ def test_a_packed_module_the_config_ignores_is_refused():
     m = "model.layers.0.self_attn.q_proj"
     config["quantization_config"]["ignore"].append(m)
     with pytest.raises(BadInput, match=f"does not select {m}"):
-        nvfp4.read(config, "config.json", drop=True).modules(t)
+        modules(nvfp4.read(config, "config.json", drop=True), t)
 
 
 @pytest.mark.parametrize("edit, needle", [
@@ -230,7 +264,7 @@ def test_bad_tensors_are_named(edit, needle):
     m = "model.layers.0.self_attn.o_proj"
     edit(t, m)
     with pytest.raises(BadInput, match=needle) as e:
-        nvfp4.read(config, "config.json", drop=True).modules(t)
+        modules(nvfp4.read(config, "config.json", drop=True), t)
     assert m in str(e.value)
 
 
@@ -259,10 +293,10 @@ def test_mxfp4_to_int4_converts_auto_rounds_nvfp4_exports(tmp_path, name):
     config, t = _load(name)
     out = all_tensors(dst)
     src_nv = nvfp4.read(config, "config.json", drop=True)
-    mods = src_nv.modules(t)
+    mods = modules(src_nv, t)
     assert len(mods) == 10
     for m in mods:
-        res = nv.requantize_module(t[f"{m}.weight_packed"], t[f"{m}.weight_scale"], src_nv.global_scale(t, m))
+        res = nv.requantize_module(t[f"{m}.weight_packed"], t[f"{m}.weight_scale"], global_scale(src_nv, t, m))
         assert torch.equal(out[f"{m}.weight_packed"][1], res.words) and torch.equal(out[f"{m}.weight_scale"][1],
                                                                                       res.scales), m
     assert not any(n.endswith(("global_scale", "input_global_scale")) for n in out)

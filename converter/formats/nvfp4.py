@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..errors import BadInput
 from ..quant.rules import DEFAULT as DEFAULT_RULE
@@ -41,9 +41,6 @@ from .dialect import (
 )
 from .match import LINEAR, CtRule
 
-if TYPE_CHECKING:   # the requantizer imports numba: only when a module is converted
-    from ..quant.nvfp4_requant import GlobalScale
-
 NVFP4_FORMAT = "nvfp4-pack-quantized"
 GROUP, BLOCK = 32, 16   # the int4 group written; NVFP4's block (quant/nvfp4_requant.py, imported when used)
 NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "group_size": 16}
@@ -58,9 +55,25 @@ class Layout(Enum):
 DIALECT = "nvfp4"   # the registered name profiles and the manifest use for every NVFP4 layout
 _WRITER = {Layout.COMPRESSED_TENSORS: "compressed-tensors", Layout.AUTO_ROUND: "auto-round",
            Layout.MODELOPT: "ModelOpt"}
-# safetensors' dtype names of torch's, for the checks shared by headers (plan) and loaded tensors
-_ST_DTYPE = {"uint8": "U8", "float8_e4m3fn": "F8_E4M3", "float32": "F32"}
 Described = tuple[str, tuple[int, ...]]   # (safetensors dtype, shape) of a tensor
+
+
+def global_problem(g: float) -> str | None:
+    """Why a global scale's value cannot be decoded, or None."""
+    return None if 0 < g < math.inf else f"{g!r}: a global scale must be one finite positive number"
+
+
+def scale_problem(scales: Any) -> str | None:
+    """Why loaded block scales (float8_e4m3fn ``[out, in/16]``) cannot be decoded: the first NaN or
+    negative one, by row and block; or None."""
+    import torch
+
+    f = scales.float()
+    bad = (torch.isnan(f) | (f < 0)).nonzero()
+    if not len(bad):
+        return None
+    r, g = (int(x) for x in bad[0])
+    return f"block {g} of row {r}: a NaN or negative E4M3 scale"
 
 
 def nvfp4_format(layout: Layout) -> str:
@@ -110,49 +123,6 @@ class Nvfp4Source(MXFP4Source):
         if math.prod(gs[1]) != 1:
             return f"{self.global_suffix} must be one finite positive number"
         return None
-
-    def value_problem(self, scale: Any, gs: Any) -> str | None:
-        """Why loaded block scales (float8_e4m3fn) and global scale (F32, one value) cannot be decoded."""
-        import torch
-
-        g = float(gs.reshape(()))
-        if not (g > 0 and g < float("inf")):
-            return f"{self.global_suffix} must be one finite positive number"
-        if bool(torch.isnan(scale.float()).any() or (scale.float() < 0).any()):
-            return f"{self.scale_suffix} holds NaN or negative E4M3 scales"
-        return None
-
-    def modules(self, tensors: dict[str, Any], where: str = "") -> list[str]:
-        """Every NVFP4 linear of ``tensors`` (name -> torch tensor), checked: one line per problem.
-
-        A U8 ``packed`` tensor with an F8_E4M3 scale is NVFP4; the config must select it, its scale
-        must be [out, in/16] and its global scale one finite positive number."""
-        import torch
-
-        def described(t: Any) -> Described | None:
-            return None if t is None else (_ST_DTYPE.get(str(t.dtype).removeprefix("torch."), str(t.dtype)),
-                                           tuple(t.shape))
-
-        suffix = "." + self.packed_suffix
-        found, problems = [], []
-        for name, t in sorted(tensors.items()):
-            if not name.endswith(suffix) or t.dtype != torch.uint8:
-                continue
-            m = name[: -len(suffix)]
-            scale, gs = tensors.get(f"{m}.{self.scale_suffix}"), tensors.get(f"{m}.{self.global_suffix}")
-            why = self.problem(m, ("U8", tuple(t.shape)), described(scale), described(gs)) \
-                or self.value_problem(scale, gs)
-            if why:
-                problems.append(f"{where}tensor {name}: {why}")
-            else:
-                found.append(m)
-        if problems:
-            raise BadInput(f"{len(problems)} problem(s): " + "; ".join(problems) if len(problems) > 1 else problems[0])
-        return found
-
-    def global_scale(self, tensors: dict[str, Any], module: str) -> "GlobalScale":
-        from ..quant.nvfp4_requant import GlobalScale
-        return GlobalScale(float(tensors[f"{module}.{self.global_suffix}"].reshape(())), self.divide)
 
     def int4_config(self, config: dict, converted: list[str], unconverted: list[str],
                     rule: str = DEFAULT_RULE) -> dict:

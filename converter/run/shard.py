@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import BadInput, OutputError
-from ..formats import fp8_block, mxfp4
+from ..formats import fp8_block, mxfp4, nvfp4
 from ..formats.checkpoint import PACKED, SCALE, SHAPE
 from ..formats.safetensors_io import ShardWriter, TensorInfo
 from ..quant.requant import STAT_FIELDS, Result
@@ -334,7 +334,7 @@ class ShardConverter:
         return bufs
 
     def _read_nvfp4(self, fds: dict[str, int], unit: _Nvfp4Unit) -> _Nvfp4Unit:
-        """A whole NVFP4 module, its scales' values checked (``Nvfp4Source.value_problem``'s rules)."""
+        """A whole NVFP4 module, its scales' values checked (``nvfp4.global_problem``, ``scale_problem``)."""
         c = unit.item
         pn = np.empty(c.packed.shape, np.uint8)
         sn = np.empty(c.scale.shape, np.uint8)
@@ -343,14 +343,10 @@ class ShardConverter:
             _pread(fds[t.path], arr, t.start, t.path, t.name)
         unit.packed, unit.scales = torch.from_numpy(pn), torch.from_numpy(sn).view(torch.float8_e4m3fn)
         unit.gscale = float(gn[0])
-        if not (0 < unit.gscale < math.inf):
-            raise BadInput(f"{unit.gscale!r}: a global scale must be one finite positive number",
-                           file=c.global_scale.path, tensor=c.global_scale.name)
-        bad = (torch.isnan(unit.scales.float()) | (unit.scales.float() < 0)).nonzero()
-        if len(bad):
-            r, g = (int(x) for x in bad[0])
-            raise BadInput(f"block {g} of row {r}: a NaN or negative E4M3 scale", file=c.scale.path,
-                           tensor=c.scale.name)
+        for why, t in ((nvfp4.global_problem(unit.gscale), c.global_scale),
+                       (nvfp4.scale_problem(unit.scales), c.scale)):
+            if why:
+                raise BadInput(why, file=t.path, tensor=t.name)
         return unit
 
     def _nvfp4_compute(self, unit: _Nvfp4Unit) -> tuple[list[tuple[str, object]], list[TensorFigures]]:
