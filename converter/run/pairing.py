@@ -55,14 +55,7 @@ def pair_mxfp4(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problem
             continue
         converts[module] = Convert(module, t, scale, rows, cols)
     problems += collisions(tensors, converts)
-    suffix = "." + source.scale_suffix
-    for name, t in tensors.items():  # a scale whose packed tensor is nowhere would pass through as data
-        if not name.endswith(suffix) or t.dtype not in E8M0_DTYPES:
-            continue
-        module = name[: -len(suffix)]
-        packed = f"{module}.{source.packed_suffix}"
-        if module not in converts and packed not in tensors and packed not in unread and source.selects(module):
-            problems.append(f"file {t.path}, tensor {name}: no {source.packed_suffix} for it in any shard")
+    problems += orphans(tensors, converts, source, ((source.scale_suffix, E8M0_DTYPES),), unread)
     return converts
 
 
@@ -92,13 +85,26 @@ def pair_nvfp4(tensors: dict[str, TensorInfo], source: Nvfp4Source, problems: li
         elif scale is not None and gs is not None:
             converts[m] = Nvfp4Convert(m, t, scale, t.shape[0], 2 * t.shape[1], gs, source.divide)
     problems += collisions(tensors, converts)
-    for name, t in tensors.items():   # a scale whose packed tensor is nowhere would pass through as data
-        for part, dtype in ((source.scale_suffix, "F8_E4M3"), (source.global_suffix, "F32")):
-            m = name[: -len(part) - 1]
-            if name.endswith("." + part) and t.dtype == dtype and m not in converts and source.selects(m) \
-                    and f"{m}.{source.packed_suffix}" not in tensors and f"{m}.{source.packed_suffix}" not in unread:
-                problems.append(f"file {t.path}, tensor {name}: no {source.packed_suffix} for it in any shard")
+    problems += orphans(tensors, converts, source,
+                        ((source.scale_suffix, ("F8_E4M3",)), (source.global_suffix, ("F32",))), unread)
     return converts
+
+
+def orphans(tensors: dict[str, TensorInfo], converts: dict[str, Convert], source: ckpt.MXFP4Source,
+            parts: tuple[tuple[str, tuple[str, ...]], ...], unread: set[str]) -> list[str]:
+    """Scale tensors (``parts``: suffix and dtypes) of a selected module whose packed tensor is in no
+    shard: copied, they would pass through as data."""
+    out = []
+    ends = [("." + suffix, dtypes) for suffix, dtypes in parts]
+    for name, t in tensors.items():   # one pass over the checkpoint's ~497k names
+        for end, dtypes in ends:
+            if not name.endswith(end) or t.dtype not in dtypes:
+                continue
+            m = name[: -len(end)]
+            packed = f"{m}.{source.packed_suffix}"
+            if m not in converts and packed not in tensors and packed not in unread and source.selects(m):
+                out.append(f"file {t.path}, tensor {name}: no {source.packed_suffix} for it in any shard")
+    return out
 
 
 def collisions(tensors: dict[str, TensorInfo], converts: dict[str, Convert]) -> list[str]:
