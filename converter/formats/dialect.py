@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..errors import BadInput
-from ..quant.rules import DEFAULT as DEFAULT_RULE, RULE_KEY
+from ..quant.rules import DEFAULT as DEFAULT_RULE, RULE_KEY, ScaleRule
 from .match import match_name
 
 MXFP4_FORMAT = "mxfp4-pack-quantized"
@@ -67,6 +67,11 @@ class MXFP4Source:
     def source_format(self) -> str:
         """What the manifest and report say the source holds (``checkpoint.source_format`` reads it back)."""
         return mxfp4_format(self.dialect)
+
+    @property
+    def scale_rules(self) -> tuple[ScaleRule, ...]:
+        """The --scale-rule values this source converts under (every one: MXFP4 groups are exact)."""
+        return tuple(ScaleRule)
 
     @property
     def restated_files(self) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ from enum import Enum
 from typing import Any, Callable
 
 from ..errors import BadInput
-from ..quant.rules import DEFAULT as DEFAULT_RULE
+from ..quant.rules import DEFAULT as DEFAULT_RULE, ScaleRule
 from .auto_round import QUANT_METHOD as AUTO_ROUND, AutoRoundSource, auto_round_source
 from .dialect import (
     DROP_FLAG,
@@ -96,6 +96,12 @@ class Nvfp4Source(MXFP4Source):
     @property
     def source_format(self) -> str:
         return nvfp4_format(self.layout)
+
+    @property
+    def scale_rules(self) -> tuple[ScaleRule, ...]:
+        """The optimum over codes [-8, 7] only: a group spans two E4M3 blocks, so it is not exact, and the
+        other rules are not offered for it (docs/nvfp4.md)."""
+        return (ScaleRule.OPTIMAL,)
 
     @property
     def restated_files(self) -> tuple[str, ...]:

@@ -9,7 +9,6 @@ from typing import Any, Callable, Mapping
 
 from .. import __version__
 from ..errors import BadInput
-from ..formats.nvfp4 import Nvfp4Source
 from ..profiles import MAX_EXPERTS
 from ..quant.rules import DEFAULT as SCALE_RULE_DEFAULT, ScaleRule, recorded_rule
 from ..state.manifest import Status
@@ -54,12 +53,13 @@ class Options:
                    fp8_bf16_tp=identity.get("fp8_bf16_tp"))
 
     def plan(self, src: str) -> Plan:
-        """The preflight of SRC with these options; an NVFP4 source only under the optimal rule (its groups
-        are not exact: the other rules are not offered for it, docs/nvfp4.md), refused before any work."""
+        """The preflight of SRC with these options; a scale rule the source is not converted under
+        (``MXFP4Source.scale_rules``) is refused here, before any work."""
         plan = build_plan(src, self.profile, self.drop_activation_quant, self.fp8_bf16_tp)
-        if isinstance(plan.source, Nvfp4Source) and ScaleRule.parse(self.scale_rule) is not ScaleRule.OPTIMAL:
-            raise BadInput(f"--scale-rule {self.scale_rule}: NVFP4 sources are converted at the optimum over codes "
-                           "[-8, 7] only (docs/nvfp4.md)", file=os.path.join(plan.src, "config.json"))
+        if (rule := ScaleRule.parse(self.scale_rule)) not in plan.source.scale_rules:
+            raise BadInput(f"--scale-rule {rule}: {plan.source.source_format} sources are converted with "
+                           f"{', '.join(plan.source.scale_rules)} only (docs/nvfp4.md)",
+                           file=os.path.join(plan.src, "config.json"))
         return plan
 
     def check(self) -> None:
