@@ -49,47 +49,48 @@ class Source:
     }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Manifest:
     """DST's manifest (``k3convert_manifest.json``): written last, it says whether DST is complete,
-    and records every output shard and every file beside them with its size and digest."""
+    and records every output shard and every file beside them with its size and digest. Fields in the
+    order they are written."""
 
+    tool: str = TOOL
+    version: str = __version__
     status: Status
+    complete: bool = False
     source_format: str
+    target_format: str = TARGET_FORMAT
     activation: dict[str, Any]
     source: Source
     options: dict[str, Any]
     scale_rule: str
+    digest_algorithm: str = DIGEST_ALGORITHM
     shards: dict[str, dict[str, Any]]
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
-    complete: bool = False
     finished_at: str | None = None   # written only once complete
-    tool: str = TOOL
-    version: str = __version__
-    target_format: str = TARGET_FORMAT
-    digest_algorithm: str = DIGEST_ALGORITHM
 
     TYPES: ClassVar[dict[str, Any]] = {
         "tool": str, "version": str, "status": str, "complete": bool, "source_format": str, "target_format": str,
         "digest_algorithm": str, "activation": dict, "options": dict, "source": Source.TYPES,
         "shards": MapOf(_FILE), "files": MapOf(_FILE),
     }
-    _ORDER: ClassVar[tuple[str, ...]] = (
-        "tool", "version", "status", "complete", "source_format", "target_format", "activation", "source",
-        "options", "scale_rule", "digest_algorithm", "shards", "files", "finished_at")
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: _plain(getattr(self, k)) for k in self._ORDER}
+        out = _plain(self)
         if self.finished_at is None:
             del out["finished_at"]
         return out
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Report:
     """The report users read (``k3convert_report.json``): the error figures per layer, the worst
-    tensor, and the scale rule with the other rule's figures on the same weights."""
+    tensor, and the scale rule with the other rule's figures on the same weights. Fields in the order
+    they are written; ``rule``'s sit at the top level of the file."""
 
+    tool: str = TOOL
+    version: str = __version__
     source: str
     status: Status
     profile: dict[str, Any]
@@ -97,31 +98,25 @@ class Report:
     dropped_tensors: list[str]
     dequantized: list[str]
     source_format: str
+    target_format: str = TARGET_FORMAT
     activation: dict[str, Any]
     max_rel_rmse: float
     tensors: int
     worst: dict[str, Any] | None
     rel_rmse_mean: float
     rule: dict[str, Any]        # scale_rule, compare_rule, cmp_rel_rmse_mean, cmp_ratio, compare (run.finalize)
-    layers: list[dict[str, Any]]
-    tool: str = TOOL
-    version: str = __version__
-    target_format: str = TARGET_FORMAT
     tensor_table: str = TENSOR_TABLE
+    layers: list[dict[str, Any]]
 
     TYPES: ClassVar[dict[str, Any]] = {"tensors": int}
-    _ORDER: ClassVar[tuple[str, ...]] = (
-        "tool", "version", "source", "status", "profile", "quantization", "dropped_tensors", "dequantized",
-        "source_format", "target_format", "activation", "max_rel_rmse", "tensors", "worst", "rel_rmse_mean",
-        "rule", "tensor_table", "layers")
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for k in self._ORDER:
+        for k, v in _plain(self).items():
             if k == "rule":
-                out.update(self.rule)   # its fields sit at the top level of the file
+                out.update(v)
             else:
-                out[k] = _plain(getattr(self, k))
+                out[k] = v
         return out
 
 
