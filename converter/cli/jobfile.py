@@ -56,7 +56,7 @@ def load(path: str, command: click.Command) -> dict[str, Any]:
             value = ",".join(str(v) for v in value)
         if isinstance(value, str) and (isinstance(param.type, click.Path) or _names_file(param, value)):
             joined = os.path.normpath(os.path.join(base, os.path.expanduser(value)))  # e.g. profile = "k3.toml"
-            # src = "ORG/NAME": a Hub repo id where no such path lies beside the job file (cli._Source)
+            # src = "ORG/NAME": a Hub repo id where no such path lies beside the job file (cli.params.Source)
             value = value if getattr(param.type, "hub_ok", False) and not os.path.lexists(joined) else joined
         out[param.name] = value
     return out
