@@ -4,7 +4,7 @@ Used by ``tests/test_vllm_serve.py`` (in the main environment). Two architecture
 experts servers name differently: Mixtral (``block_sparse_moe.experts.E.w1|w2|w3``, K3's names)
 and Qwen3-MoE (``mlp.experts.E.gate_proj|up_proj|down_proj``). Each MXFP4 source is converted by
 k3convert's CLI with each ``--scale-rule`` it offers, and by llm-compressor's int4 route
-(``scripts/baseline_model_free_ptq.py``, run by the llm-compressor environment's python); every
+(``scripts/benchmarks/baseline_model_free_ptq.py``, run by the llm-compressor environment's python); every
 result is scored by the KL divergence and top-1 agreement of its next-token distributions with
 the MXFP4 model's, on the same token-id prompts.
 """
@@ -23,7 +23,7 @@ from mixtral_fixture import IGNORE as MIXTRAL_IGNORE, is_expert_weight, tiny_mix
 from transformers import Qwen3MoeConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEER_SCRIPT = os.path.join(ROOT, "scripts", "baseline_model_free_ptq.py")
+PEER_SCRIPT = os.path.join(ROOT, "scripts", "benchmarks", "baseline_model_free_ptq.py")
 PEER = "llm-compressor"
 VOCAB = 128
 PROMPTS, PROMPT_LEN = 16, 32  # 16 x 31 scored positions per model

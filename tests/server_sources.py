@@ -17,7 +17,7 @@ MXFP4 = "model_executor/layers/quantization/mxfp4.py"
 
 
 def released_file(env: str, rel: str) -> Path:
-    """``rel`` under the released sources that ``env`` names (scripts/fetch_server_sources.sh), else a
+    """``rel`` under the released sources that ``env`` names (scripts/tools/fetch_server_sources.sh), else a
     skip saying what is missing: a failure under K3CONVERT_REQUIRE_VLLM=1 (CI fetches them)."""
     import os
 
@@ -26,7 +26,7 @@ def released_file(env: str, rel: str) -> Path:
     root = os.environ.get(env)
     if root and Path(root, rel).is_file():
         return Path(root, rel)
-    why = f"{env} unset or without {rel} (run scripts/fetch_server_sources.sh)"
+    why = f"{env} unset or without {rel} (run scripts/tools/fetch_server_sources.sh)"
     if os.environ.get("K3CONVERT_REQUIRE_VLLM") == "1":
         pytest.fail(why)
     pytest.skip(why)

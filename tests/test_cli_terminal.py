@@ -1,7 +1,7 @@
 """The command as a person meets it, in its own process: on a terminal (a pseudo-terminal), its
 first line before torch is imported, and no process of its group left once it has exited.
 
-Facts and orderings only; how fast lives in scripts/bench_cli_latency.py (BENCHMARKS.md)."""
+Facts and orderings only; how fast lives in scripts/benchmarks/bench_cli_latency.py (BENCHMARKS.md)."""
 from __future__ import annotations
 
 import fcntl

@@ -4,7 +4,7 @@ the page says they do.
 
 The citation test reads vLLM's released files where K3CONVERT_VLLM033_SRC / K3CONVERT_VLLM034_SRC
 point at them (the `vllm/` package of each wheel) and holds the files cited; it skips otherwise
-(scripts/fetch_server_sources.sh does not keep these files, so CI's REQUIRE switch does not apply).
+(scripts/tools/fetch_server_sources.sh does not keep these files, so CI's REQUIRE switch does not apply).
 """
 from __future__ import annotations
 

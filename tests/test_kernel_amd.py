@@ -2,7 +2,7 @@
 
 There is no AMD GPU here: Triton's AMD backend cross-compiles the kernel to AMDGCN and an
 HSACO on any machine, and the register, spill and scratch numbers are the compiler's own
-(scripts/amd_kernel_report.py reads them; run it for the full table). Each compile takes
+(scripts/tools/amd_kernel_report.py reads them; run it for the full table). Each compile takes
 seconds, so every (arch, config, specialisation) is compiled once per session.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load_report() -> ModuleType:
-    path = REPO / "scripts" / "amd_kernel_report.py"
+    path = REPO / "scripts" / "tools" / "amd_kernel_report.py"
     spec = importlib.util.spec_from_file_location("amd_kernel_report", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses resolve the module by name

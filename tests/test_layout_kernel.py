@@ -1,4 +1,4 @@
-"""The plugin's fused Triton layout (converter/vllm_plugin/layout_kernel.py) and scripts/bench_startup.py.
+"""The plugin's fused Triton layout (converter/vllm_plugin/layout_kernel.py) and scripts/benchmarks/bench_startup.py.
 
 * Bytes: the kernel, run by the Triton interpreter on K3's real K (3584, 384, 3072) and odd chunkings,
   against aiter's own shuffle_weight with vLLM 0.33's packer and scale relayout (and aiter's own packer
@@ -39,9 +39,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def bench_module() -> types.ModuleType:
-    """scripts/bench_startup.py as a module (scripts/ is not a package)."""
+    """scripts/benchmarks/bench_startup.py as a module (scripts/ is not a package)."""
     if "bench_startup" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_startup", REPO / "scripts" / "bench_startup.py")
+        path = REPO / "scripts" / "benchmarks" / "bench_startup.py"
+        spec = importlib.util.spec_from_file_location("bench_startup", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         sys.modules["bench_startup"] = mod

@@ -1,6 +1,6 @@
 """formats/match.py against the loaders themselves, on one table of configs: compressed-tensors'
 installed ``is_match``/``match_named_modules``, and vLLM 0.33's own matcher loaded from its released
-sources (K3CONVERT_VLLM033_SRC, scripts/fetch_server_sources.sh; skipped without them, failed under
+sources (K3CONVERT_VLLM033_SRC, scripts/tools/fetch_server_sources.sh; skipped without them, failed under
 K3CONVERT_REQUIRE_VLLM=1)."""
 from __future__ import annotations
 

@@ -208,12 +208,12 @@ def test_numba_kernel_same_bytes_on_a_plain_x86_64_build(tmp_path):
 
 
 def test_candidate_table_is_what_the_lps_derive():
-    """Re-run the proof that pruned the bf16 multipliers (scripts/derive_candidates.py)."""
+    """Re-run the proof that pruned the bf16 multipliers (scripts/tools/derive_candidates.py)."""
     import pathlib
     import subprocess
     import sys
 
-    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "derive_candidates.py"
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tools" / "derive_candidates.py"
     r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 

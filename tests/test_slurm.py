@@ -1,4 +1,4 @@
-"""Batch jobs for real: scripts/slurm_array.sh under a one-node Slurm, and the job files.
+"""Batch jobs for real: scripts/tools/slurm_array.sh under a one-node Slurm, and the job files.
 
 A session fixture starts munged, slurmctld and slurmd as root, every file of theirs under a
 temporary directory (no systemd, no cgroups: proctrack/linuxproc, task/none), and points the
@@ -40,8 +40,8 @@ from converter.cli import jobfile, mxfp4_to_int4
 from converter.fixture import FixtureSpec, make_fixture
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "slurm_array.sh"
-K8S = REPO / "scripts" / "k8s_job.yaml"
+SCRIPT = REPO / "scripts" / "tools" / "slurm_array.sh"
+K8S = REPO / "scripts" / "tools" / "k8s_job.yaml"
 JOBS = sorted((REPO / "configs" / "jobs").glob("*.toml"))
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 TOOLS = ["munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scancel"]
@@ -231,7 +231,7 @@ def job_env(c: Cluster) -> dict[str, str]:
 
 
 def sbatch_array(c: Cluster, job: Path, tasks: int, workdir: Path, *extra: str) -> tuple[subprocess.CompletedProcess, str]:
-    """``sbatch --array=0-(tasks-1) --wait`` of scripts/slurm_array.sh (``extra``: k3convert options
+    """``sbatch --array=0-(tasks-1) --wait`` of scripts/tools/slurm_array.sh (``extra``: k3convert options
     after the job file); (sbatch's result, job id)."""
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = ["sbatch", "--parsable", "--wait", f"--array=0-{tasks - 1}", "--export=ALL", f"--chdir={workdir}",

@@ -2,7 +2,7 @@
 its route and every refusal with ROCm and aiter simulated; and, installed into the real vLLM CPU
 server, that it changes nothing there.
 
-Sources these tests read (never copied into the repo; scripts/fetch_server_sources.sh fetches them):
+Sources these tests read (never copied into the repo; scripts/tools/fetch_server_sources.sh fetches them):
   K3CONVERT_VLLM033_SRC  the `vllm/` package directory of vllm 0.33.0 (PyPI wheel, Python files only)
   K3CONVERT_AITER_SRC    the `aiter/` package directory of amd-aiter 0.1.7.post2.dev18 (PyPI)
   K3CONVERT_VLLM_PYTHON  a python with vLLM and this package installed (`pip install --no-deps -e .`)
@@ -37,7 +37,7 @@ def source(env: str, rel: str) -> Path:
     path = Path(root, rel) if root else None
     if path is not None and path.is_file():
         return path
-    why = f"{env} {'unset' if not root else f'has no {rel}'} (run scripts/fetch_server_sources.sh)"
+    why = f"{env} {'unset' if not root else f'has no {rel}'} (run scripts/tools/fetch_server_sources.sh)"
     if REQUIRE:
         pytest.fail(why)
     pytest.skip(why)

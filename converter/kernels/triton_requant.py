@@ -45,7 +45,7 @@ groups/s, ~3.4 SM-cycles a group. Per group the tensor cores do ~14 kFLOP (~4.5 
 at ~790 TFLOP/s) and the SIMT side ~1200 instructions (~9.5 SM-cycles at 4 issues/cycle:
 ~450 for the 160-column argmin, ~250 histogram and fp16 staging, ~260 gather/scale/stats),
 so even perfectly issue-bound the exact search tops out near 2.5e10 groups/s (~20% of
-copy). Measured on one H200 (Triton 3.6, 2026-11-30; scripts/bench_kernel.py, 1.76e8
+copy). Measured on one H200 (Triton 3.6, 2026-11-30; scripts/benchmarks/bench_kernel.py, 1.76e8
 realistic groups): 38.9 ms = 4.5e9 groups/s = 0.16 TB/s = 3.7% of copy (copy 4.28 TB/s);
 without statistics 29 ms. The kernel is latency-bound, ~5x off its issue bound: 255
 registers/thread allow 8 warps per SM, and Triton's layout conversions put dozens of
@@ -484,7 +484,7 @@ def _requant_kernel(
 # NVIDIA: measured on the H200 (module doc); 255 registers/thread and no spills there.
 _NVIDIA_CONFIG = {"block_groups": 128, "nsplit": 4, "num_warps": 4, "num_stages": 3}
 # AMD (CDNA, wave64), chosen by cross-compiling every block 64/128 x nsplit 2/4 x warps 4/8
-# x stages 1/2/3 with Triton 3.9 (scripts/amd_kernel_report.py --sweep). The NVIDIA config
+# x stages 1/2/3 with Triton 3.9 (scripts/tools/amd_kernel_report.py --sweep). The NVIDIA config
 # spills VGPRs on gfx942 and gfx90a; every 8-warp config spills (8 waves a workgroup cap a
 # wave at 256 registers); num_stages=1 (no stream-pipeliner prefetch copies) halves the code
 # and, on gfx942/gfx90a, is the only stage count with no VGPR spills for every block/nsplit at

@@ -23,7 +23,7 @@ Python loop over classes (on the CPU one matmul per class present in the step, f
 per-group result does not depend on step or tile sizes (every sum is exact; tests check it). Steps by
 device (``step_groups``): on the CPU 8,192 groups (the [groups, 385] errors stay in cache); on a GPU
 (CUDA or ROCm) up to 2^18 groups, bounded by GPU_STEP_BYTES of transient memory. Host syncs: a few
-per call, none per step (the CPU has none to make). Speeds: BENCHMARKS.md, scripts/bench_repair.py.
+per call, none per step (the CPU has none to make). Speeds: BENCHMARKS.md, scripts/benchmarks/bench_repair.py.
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def choose(hist: torch.Tensor, qmin: int = QMIN) -> tuple[torch.Tensor, torch.Te
     for codes in ``[qmin, 7]``.
 
     Groups are split by their largest |value| level (0 = all zero), each searched over only
-    the candidates that can win at that level (scripts/derive_candidates.py).
+    the candidates that can win at that level (scripts/tools/derive_candidates.py).
     """
     t = torch_tables(qmin=qmin)
     present = hist > 0

@@ -10,9 +10,9 @@ less than in wall time), interleaved and best of ``--repeats``:
 * ``vllm-gfx942``: the server rule's kernel alone (a ``--scale-rule vllm-gfx942`` run also runs
   the optimal one, for the comparison).
 
-    PYTHONPATH=. python scripts/bench_scale_rule.py [--groups 1048576] [--repeats 7] [--before FILE]
+    PYTHONPATH=. python scripts/benchmarks/bench_scale_rule.py [--groups 1048576] [--repeats 7] [--before FILE]
 
-The GPU counterpart (run on a GPU machine): ``python scripts/bench_scale_rule.py --device cuda``
+The GPU counterpart (run on a GPU machine): ``python scripts/benchmarks/bench_scale_rule.py --device cuda``
 times the Triton server-rule kernel (the optimal run's extra pass) against the Triton optimal
 kernel, in CUDA-event milliseconds.
 """

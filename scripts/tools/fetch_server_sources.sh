@@ -13,7 +13,7 @@
 #   amd-aiter 0.1.7.post2.dev18  aiter/ops/shuffle.py
 #   sglang 0.5.23          the WNA16 MoE and model files that decide how Ling's and GLM's swiglu
 #                          clamp reaches its kernels (tests/test_clamp_serving.py)
-# Usage: eval "$(bash scripts/fetch_server_sources.sh [DEST])"   (prints the export lines)
+# Usage: eval "$(bash scripts/tools/fetch_server_sources.sh [DEST])"   (prints the export lines)
 # DEST defaults to $K3CONVERT_SERVER_SOURCES, else ~/.cache/k3convert/server-sources. Idempotent:
 # once the files are there nothing is downloaded. Each vllm wheel is ~340 MB; it is deleted after.
 set -euo pipefail

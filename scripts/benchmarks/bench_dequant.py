@@ -3,7 +3,7 @@ thread does for each 4 MiB piece of a module written as bf16 (items.Dequant: the
 amd-quark's templates). Realistic groups as bench_cpu_kernel's; prints the best of ``--repeats`` per
 piece (its buffers reused, as ShardConverter's readers do), as GB/s of MXFP4 read and of bf16 written, on one thread (``ShardConverter`` runs 3 readers).
 
-    PYTHONPATH=. python scripts/bench_dequant.py [--cols 4096] [--repeats 20]
+    PYTHONPATH=. python scripts/benchmarks/bench_dequant.py [--cols 4096] [--repeats 20]
 """
 from __future__ import annotations
 

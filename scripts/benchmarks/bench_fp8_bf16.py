@@ -8,7 +8,7 @@ heavy-tailed tokens the output error against the original of the layer vLLM serv
 (W8A8: weights e4m3, activations quantized dynamically per token and 128, as vLLM's block FP8 linear
 does) and bf16 (W16A16: the unquantized layer the option gives). All in float64.
 
-    PYTHONPATH=. python scripts/bench_fp8_bf16.py [--seed 0]
+    PYTHONPATH=. python scripts/benchmarks/bench_fp8_bf16.py [--seed 0]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ times, best of ``--repeats`` in CPU seconds (compressed-tensors imported first, 
 ``--rows`` entries, the figure table's per-row checks over ``--rows`` rows, and
 ``selection_problems`` (the config's targets/ignore against every module).
 
-    PYTHONPATH=. python scripts/bench_verify_overhead.py [--rows 497000] [--repeats 3]
+    PYTHONPATH=. python scripts/benchmarks/bench_verify_overhead.py [--rows 497000] [--repeats 3]
 
 ``PYTHONPATH=/tmp/before`` (``git archive REV converter | tar -x -C /tmp/before``) times an
 older tree the same way.

@@ -4,7 +4,7 @@ Hashing (SHA-256 on 1 and N threads), memory copy, file write and read in a dire
 (tmpfs or disk), pinned host<->device copies, and start-up costs (imports, CUDA init,
 the Triton kernel's first call from a warm cache).
 
-    PYTHONPATH=. python scripts/bench_host.py --dir /dev/shm/k3host [--gb 2]
+    PYTHONPATH=. python scripts/benchmarks/bench_host.py --dir /dev/shm/k3host [--gb 2]
 """
 from __future__ import annotations
 

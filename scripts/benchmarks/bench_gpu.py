@@ -6,11 +6,11 @@ largest process, and where the time went per stage (summed over shards from the 
 records in DST/.k3convert). Outputs of every run must be byte-identical (checked).
 
     # memory-resident: source and output in tmpfs, so the disk plays no part
-    PYTHONPATH=. python scripts/bench_gpu.py --memory --gb 12 --shards 8
+    PYTHONPATH=. python scripts/benchmarks/bench_gpu.py --memory --gb 12 --shards 8
     # from disk, page cache dropped before each run
-    PYTHONPATH=. python scripts/bench_gpu.py --dir /var/tmp/k3 --gb 12 --shards 8 --cold
+    PYTHONPATH=. python scripts/benchmarks/bench_gpu.py --dir /var/tmp/k3 --gb 12 --shards 8 --cold
     # before/after: also run an older checkout of the package (a directory holding converter/)
-    PYTHONPATH=. python scripts/bench_gpu.py --memory --old /path/to/old/checkout
+    PYTHONPATH=. python scripts/benchmarks/bench_gpu.py --memory --old /path/to/old/checkout
 
 The kernel alone is measured by scripts/bench_kernel.py.
 """
@@ -113,7 +113,7 @@ def main() -> int:
     root = "/dev/shm/k3bench" if args.memory else args.dir
     os.makedirs(root, exist_ok=True)
     src = os.path.join(root, "src")
-    here = os.path.abspath(args.new or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.abspath(args.new or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "gpus": torch.cuda.device_count(),
                  "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                  "cpus": os.cpu_count(), "memory_resident": args.memory, "cold": args.cold, "runs": {}}

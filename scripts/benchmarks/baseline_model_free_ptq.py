@@ -10,7 +10,7 @@ Tested with llmcompressor 0.14.0.1, which pins compressed-tensors==0.19.0 and
 transformers<=5.17; install it in its own venv so the project's env is untouched:
     python -m venv --system-site-packages /tmp/llmc_venv   # reuses torch 2.13.0+cpu
     /tmp/llmc_venv/bin/pip install llmcompressor==0.14.0.1
-    /tmp/llmc_venv/bin/python scripts/baseline_model_free_ptq.py SRC DST --workers 2
+    /tmp/llmc_venv/bin/python scripts/benchmarks/baseline_model_free_ptq.py SRC DST --workers 2
 
 Library code (all tensor work): shard reading, the MXFP4 decode
 (``CompressedTensorsDequantizer`` -> ``MXFP4PackedCompressor.decompress``), observer,

@@ -20,7 +20,7 @@ The row ``repaired`` is what the vLLM plugin serves when its self-test finds tha
 the stored int4 (converter.quant.int4_pm7, the plugin's own function); its ``vs stored`` column is the
 figure the plugin's warning states (relative weight RMSE against the stored int4).
 
-    PYTHONPATH=. python scripts/bench_minus8.py [--experts 2] [--tokens 64] [--kl] [--seeds 4]
+    PYTHONPATH=. python scripts/benchmarks/bench_minus8.py [--experts 2] [--tokens 64] [--kl] [--seeds 4]
 """
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ import time
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts", "benchmarks"))
 from bench_cpu_kernel import realistic_groups  # noqa: E402  (bench_scale_rule's data: Student-t, 2 dof)
 
 from converter.fixture import _student_t  # noqa: E402  (make-fixture's weights: Student-t, 4 dof)

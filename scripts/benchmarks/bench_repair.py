@@ -12,9 +12,9 @@ leaves allocated on the device after it returns (0: nothing cached, e.g. the inv
 checks on a sample (some rows of the first and last expert of each weight) that the device's bytes
 equal the CPU's.
 
-    PYTHONPATH=. python scripts/bench_repair.py --device cuda              # one H200: about 1-2 min
-    PYTHONPATH=. python scripts/bench_repair.py --device cuda --quick      # 1/8 of the experts
-    PYTHONPATH=. python scripts/bench_repair.py --device cpu --experts 2   # the CPU, tiny
+    PYTHONPATH=. python scripts/benchmarks/bench_repair.py --device cuda              # one H200: about 1-2 min
+    PYTHONPATH=. python scripts/benchmarks/bench_repair.py --device cuda --quick      # 1/8 of the experts
+    PYTHONPATH=. python scripts/benchmarks/bench_repair.py --device cpu --experts 2   # the CPU, tiny
 
 Needs only torch (and triton on a GPU, for the layout kernel).
 """
@@ -25,7 +25,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

@@ -2,7 +2,7 @@
 per-tensor relative RMSE against the FP4 values, ours (``rel_rmse``) and the server's load-time rule
 (``cmp_rel_rmse``), means over the tensors and their ratio (as the report's "x our error").
 
-    PYTHONPATH=. python scripts/nvfp4_convert_figures.py DST [DST ...]
+    PYTHONPATH=. python scripts/benchmarks/nvfp4_convert_figures.py DST [DST ...]
 """
 from __future__ import annotations
 

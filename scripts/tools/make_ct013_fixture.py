@@ -10,7 +10,7 @@ llm-compressor 0.9's ``save_pretrained`` takes) and the ``quantization_config``
 
 Run with 0.13.0 importable, e.g.:
     pip install --no-deps --target /tmp/ct013 compressed_tensors-0.13.0-py3-none-any.whl
-    PYTHONPATH=/tmp/ct013 python scripts/make_ct013_fixture.py tests/data/ct013-mxfp4
+    PYTHONPATH=/tmp/ct013 python scripts/tools/make_ct013_fixture.py tests/data/ct013-mxfp4
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ Two argument specialisations are compiled (spills depend on them):
   the pipeline's 2**21-group batches are 32 MiB);
 * ``bare``: no hints at all (the worst case, e.g. a tensor over 2 GiB).
 
-    python scripts/amd_kernel_report.py            # launch_config(arch) and the old default
-    python scripts/amd_kernel_report.py --sweep    # every candidate config (slow: ~70 compiles)
+    python scripts/tools/amd_kernel_report.py            # launch_config(arch) and the old default
+    python scripts/tools/amd_kernel_report.py --sweep    # every candidate config (slow: ~70 compiles)
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ first, so the page cache holds DST): ``verify DST`` (plain, with checksums), ``v
 ``finalize DST`` (which rewrites the derived files and the manifest of a complete DST).
 Run it once per tree on a DST that tree made:
 
-    PYTHONPATH=. python scripts/bench_verify_files.py DST SRC [--repeats 5]
-    PYTHONPATH=/tmp/before python scripts/bench_verify_files.py DST_BEFORE SRC
+    PYTHONPATH=. python scripts/benchmarks/bench_verify_files.py DST SRC [--repeats 5]
+    PYTHONPATH=/tmp/before python scripts/benchmarks/bench_verify_files.py DST_BEFORE SRC
 """
 from __future__ import annotations
 

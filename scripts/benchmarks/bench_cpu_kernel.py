@@ -7,7 +7,7 @@ warm-up call (compilation excluded), and the matching GB/s of MXFP4 input (17 by
 ``--kernel FILE`` times another version of converter/quant/cpu_kernel.py (e.g. an older one
 from ``git show REV:converter/quant/cpu_kernel.py``), after checking it gives the same bytes.
 
-    PYTHONPATH=. python scripts/bench_cpu_kernel.py [--groups 1048576] [--repeats 5] [--kernel FILE]
+    PYTHONPATH=. python scripts/benchmarks/bench_cpu_kernel.py [--groups 1048576] [--repeats 5] [--kernel FILE]
 """
 from __future__ import annotations
 

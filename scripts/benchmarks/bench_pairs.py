@@ -1,7 +1,7 @@
 """Old against new, in alternating pairs: each round runs both commands, in an order that alternates,
 so drift on a shared machine (other jobs, a warming page cache) falls on both sides alike.
 
-    python scripts/bench_pairs.py -n 8 --warmup 1 --old "CMD" --new "CMD"
+    python scripts/benchmarks/bench_pairs.py -n 8 --warmup 1 --old "CMD" --new "CMD"
 
 Each command runs under ``sh -c``; its CPU seconds (user + system of the child and its children,
 ``resource.getrusage``), wall seconds and peak resident memory are recorded. Printed: per round

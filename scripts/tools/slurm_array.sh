@@ -6,7 +6,7 @@
 # report and manifest. Re-submitting the same array after a failure or preemption resumes:
 # finished shards are kept, so their tasks end in seconds.
 #
-#   sbatch --array=0-7 scripts/slurm_array.sh configs/jobs/kimi-k3-slurm-array.toml [OPTION...]
+#   sbatch --array=0-7 scripts/tools/slurm_array.sh configs/jobs/kimi-k3-slurm-array.toml [OPTION...]
 #
 # OPTIONs after the job file go to k3convert and win over the file (e.g. --overwrite).
 # The array must be contiguous (0-7 or 1-8, a %limit is fine; not 0-14:2 or 1,3,5).

@@ -1,6 +1,6 @@
 """What the vLLM plugin's load-time kernel self-test costs at Kimi K3's real sizes (BENCHMARKS.md).
 
-    python scripts/bench_selftest.py [--device cuda] [--repeat 5]
+    python scripts/benchmarks/bench_selftest.py [--device cuda] [--repeat 5]
 
 Times converter.vllm_plugin.selftest as moe_method runs it on the first routed-experts layer: the
 copies of the sampled experts (selftest.expert_copy, first to last local expert: printed), one probe
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from converter.vllm_plugin import selftest  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 3584, 3072, 896, 16

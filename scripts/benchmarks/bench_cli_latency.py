@@ -5,8 +5,8 @@ together), in its own process group. Per run: seconds from start to the first ou
 to the last output, from the last output to the process's exit, and how many processes outlived
 it (workers, resource trackers: this script is their subreaper, so each is counted). Run it once per tree:
 
-    PYTHONPATH=. python scripts/bench_cli_latency.py [--repeats 2] [--only demo,inspect]
-    PYTHONPATH=/tmp/base python scripts/bench_cli_latency.py   # a worktree of an older commit
+    PYTHONPATH=. python scripts/benchmarks/bench_cli_latency.py [--repeats 2] [--only demo,inspect]
+    PYTHONPATH=/tmp/base python scripts/benchmarks/bench_cli_latency.py   # a worktree of an older commit
 
 Every command works in a fresh temporary folder (removed after). Timings on a shared machine
 vary: give ``--repeats`` and say how loaded the machine was.

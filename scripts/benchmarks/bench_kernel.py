@@ -6,7 +6,7 @@ on a sample (plus adversarial groups, several tensors per batch), then times eac
 variant with ``triton.testing.do_bench`` (median) and a device-to-device copy of the same
 number of bytes in the same run. Throughput counts bytes in + out: 17 + 18 per group.
 
-    PYTHONPATH=. python scripts/bench_kernel.py [--gb 3] [--check 1000000] [--variants all]
+    PYTHONPATH=. python scripts/benchmarks/bench_kernel.py [--gb 3] [--check 1000000] [--variants all]
 
 Prints a table last; with $OUT set, also writes $OUT/bench_kernel.json.
 """

@@ -1,7 +1,7 @@
 """Error tables for the non-K3 models: each tiny fixture converted, every routed expert's output
 (gate/up -> the model's activation -> down) compared against the MXFP4 dequantization.
 
-    PYTHONPATH=$PWD:$PWD/tests python scripts/moe_model_errors.py [OUT_DIR]
+    PYTHONPATH=$PWD:$PWD/tests python scripts/benchmarks/moe_model_errors.py [OUT_DIR]
 
 MiniMax-M3 uses vLLM's swigluoai_uninterleave (models/minimax_m3/amd/model.py 306-321: gate *
 sigmoid(alpha * gate) * (up + beta), gate clamped above at limit, up to [-limit, limit]) with the

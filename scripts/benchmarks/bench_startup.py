@@ -40,9 +40,9 @@ Every route runs under the allocator setting vLLM's ``load_model`` sets around w
 and 599-600: ``max_split_size_mb:20``); ``--max-split-mb 0`` leaves the allocator as it is (the
 conditions of the figures measured before this option).
 
-    python scripts/bench_startup.py --out results.json              # on a GPU: both splits, all routes
-    python scripts/bench_startup.py --routes vllm-0.33,vllm-0.34 --out vllm.json   # vLLM's two routes only
-    python scripts/bench_startup.py --device cpu --tiny --layers 2 --routes vllm-0.33,vllm-0.34,plugin-torch \
+    python scripts/benchmarks/bench_startup.py --out results.json              # on a GPU: both splits, all routes
+    python scripts/benchmarks/bench_startup.py --routes vllm-0.33,vllm-0.34 --out vllm.json   # vLLM's two routes only
+    python scripts/benchmarks/bench_startup.py --device cpu --tiny --layers 2 --routes vllm-0.33,vllm-0.34,plugin-torch \
         --chunk-values 100000     # CPU smoke: 0.34's chunks split unevenly (3 and 6 experts a chunk)
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from converter.vllm_plugin import layout  # noqa: E402
 

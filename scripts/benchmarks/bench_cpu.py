@@ -2,12 +2,12 @@
 
 The baseline is llm-compressor's model_free_ptq with compressed-tensors'
 CompressedTensorsDequantizer and a W4A16 group-32 symmetric scheme
-(scripts/baseline_model_free_ptq.py), run from its own virtual environment because
+(scripts/benchmarks/baseline_model_free_ptq.py), run from its own virtual environment because
 llmcompressor pins other compressed-tensors/transformers versions. Both run as
 subprocesses on a K3-shaped checkpoint with the real expert dims, cold start included;
 peak RSS is the largest sum over each process tree, sampled every 20 ms.
 
-    python scripts/bench_cpu.py [--src DIR] [--baseline-python /tmp/llmc_venv/bin/python]
+    python scripts/benchmarks/bench_cpu.py [--src DIR] [--baseline-python /tmp/llmc_venv/bin/python]
 
 Needs psutil (pip install psutil) besides k3convert, and the baseline venv (BENCHMARKS.md).
 """

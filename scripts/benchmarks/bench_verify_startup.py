@@ -1,7 +1,7 @@
 """Wall time and peak RSS of ``k3convert verify DST`` (and of ``verify`` of a missing path) as a
 user runs it: a fresh interpreter each time, this tree against an older one, runs alternating.
 
-    python scripts/bench_verify_startup.py DST --old /tmp/base-verify --runs 5
+    python scripts/benchmarks/bench_verify_startup.py DST --old /tmp/base-verify --runs 5
 
 DST: e.g. the output of ``k3convert demo --dir D`` (D/kimi-k3-fixture-int4). Issue 24 §2.
 """
@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def one(tree: str, args: list[str]) -> tuple[float, float, int]:

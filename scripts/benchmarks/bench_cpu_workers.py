@@ -8,8 +8,8 @@ an untimed full-size one touches the memory the runs will use (on a VM that grow
 on first touch, the first run would otherwise pay for it). Every run's shard digests (the
 chunked SHA-256 of the written files) must equal the first run's: byte-identical outputs.
 
-    PYTHONPATH=. python scripts/bench_cpu_workers.py --gb 12 --shards 16   # the BENCHMARKS.md run
-    PYTHONPATH=. python scripts/bench_cpu_workers.py --gb 0.3 --shards 4 --workers 1,2,auto --runs 1  # smoke
+    PYTHONPATH=. python scripts/benchmarks/bench_cpu_workers.py --gb 12 --shards 16   # the BENCHMARKS.md run
+    PYTHONPATH=. python scripts/benchmarks/bench_cpu_workers.py --gb 0.3 --shards 4 --workers 1,2,auto --runs 1  # smoke
 
 Prints a table and whether ``auto`` is within 10% of the best setting's wall time; writes
 ``bench_cpu_workers.json`` to --out. Timing helpers are bench_gpu.py's.
@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--build-only", action="store_true", help="only build the checkpoints (a first, shorter command)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    code = os.path.dirname(HERE)
+    code = os.path.dirname(os.path.dirname(HERE))  # the repository: scripts/benchmarks/..
     settings = [w.strip() for w in args.workers.split(",") if w.strip()]
     os.makedirs(args.dir, exist_ok=True)
     src, warm, out = (os.path.join(args.dir, n) for n in ("src", "warm", "out"))

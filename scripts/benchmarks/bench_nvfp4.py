@@ -6,7 +6,7 @@ expert's) quantized to NVFP4 by compressed-tensors itself (``generate_gparam``, 
 Errors are relative RMSE against the NVFP4 values (what the checkpoint holds), and for (1) also against
 the bf16 weights the NVFP4 was made from, for scale.
 
-    PYTHONPATH=. python scripts/bench_nvfp4.py [--rows 768 --cols 2048 --mats 4 --threads 1]
+    PYTHONPATH=. python scripts/benchmarks/bench_nvfp4.py [--rows 768 --cols 2048 --mats 4 --threads 1]
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def main() -> None:
         nv.optimal(groups)
         runs.append((time.perf_counter() - t0) / groups.shape[0] * 1e6)
     for name in ("nvfp4", "nvfp4-llm-compressor"):
-        root = os.path.join(HERE, "..", "tests", "data", "auto-round", name)
+        root = os.path.join(HERE, "..", "..", "tests", "data", "auto-round", name)
         with open(os.path.join(root, "config.json")) as f:
             src = nvfp4.read(json.load(f), "config.json", drop=True)
         t = load_file(os.path.join(root, "model.safetensors"))

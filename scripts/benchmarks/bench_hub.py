@@ -9,7 +9,7 @@ and the peak bytes the staging area (the cache folder) held during the overlappe
 20 ms (blocks on disk) and as the run reports it. The goal: overlapped within one shard's download of
 max(download alone, conversion alone).
 
-    python scripts/bench_hub.py --experts 16 --layers 6 --shards 6 --rate 5e5 [--keep-modules]
+    python scripts/benchmarks/bench_hub.py --experts 16 --layers 6 --shards 6 --rate 5e5 [--keep-modules]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from hub_server import HubServer  # noqa: E402

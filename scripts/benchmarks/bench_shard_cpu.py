@@ -8,8 +8,8 @@ wall seconds, and the shard record's busy seconds per stage. Run it alternately 
     git archive 74b0137 | (mkdir -p /tmp/old && tar -x -C /tmp/old)
     k3convert make-fixture /tmp/shard --real-dims --layers 5 --experts 16 --shards 1   # 1.32 GB
     for i in 1 2 3 4; do
-      PYTHONPATH=/tmp/old python scripts/bench_shard_cpu.py /tmp/shard /tmp/out
-      PYTHONPATH=$PWD python scripts/bench_shard_cpu.py /tmp/shard /tmp/out
+      PYTHONPATH=/tmp/old python scripts/benchmarks/bench_shard_cpu.py /tmp/shard /tmp/out
+      PYTHONPATH=$PWD python scripts/benchmarks/bench_shard_cpu.py /tmp/shard /tmp/out
     done
 
 Run each tree once first: numba compiles the CPU kernels into the tree's cache on its first run.
