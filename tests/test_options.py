@@ -77,7 +77,7 @@ def test_s12_job_file_workers_must_be_whole(src_copy, tmp_path, value):
 # ---------------------------------------- R16, S12: one precedence order; the environment blamed by name
 
 def test_r16_precedence_command_line_job_file_environment_default(fixture_src, tmp_path, monkeypatch):
-    """command line > job file > K3CONVERT_WORKERS > default (README, Usage)."""
+    """command line > job file > K3CONVERT_WORKERS > default (docs/convert.md, "Options of `mxfp4-to-int4`")."""
     job = tmp_path / "job.toml"
     job.write_text(f'src = "{fixture_src}"\nworkers = 2\ndevices = "cpu"\n')
 

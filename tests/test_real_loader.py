@@ -40,7 +40,7 @@ LAYERS, EXPERTS = SIZES["num_hidden_layers"], SIZES["num_local_experts"]
 TOKENS = torch.randint(0, SIZES["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(0))
 
 # Relative RMSE of the int4 experts against the MXFP4 ones: about 0.096 is the conversion's optimum
-# on heavy-tailed weights (README); this model's 24 tensors give 0.087. Fixed, so that a broken
+# on heavy-tailed weights (docs/convert.md, "The requantization"); this model's 24 tensors give 0.087. Fixed, so that a broken
 # conversion cannot widen the bound.
 R_WEIGHTS = 0.1
 

@@ -1,5 +1,5 @@
 """Runs that survive: kill -9, Ctrl-C, changed sources and options, a full disk, unwritable or
-unreadable paths, and two runs on one DST (README, "Runs that survive").
+unreadable paths, and two runs on one DST (docs/convert.md, "Runs that survive").
 
 Every test leaves SRC byte-identical and never leaves a DST that claims to be complete when
 the run did not finish. The conversions that are killed or raced run as real processes
