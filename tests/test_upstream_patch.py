@@ -52,6 +52,12 @@ CASES = {                                          # (tp_size, tp_rank, ep_size,
     "tp2-rank1": (2, 1, 1, 0),
     "ep2-rank1": (1, 0, 2, 1),
 }
+CHUNK_VALUES = {                                   # the conversion's chunk, in int4 values, per case
+    "tp1": 1 << 27,                                # all experts at once (the patch's default)
+    "tp2-rank0": 3 * 2 * (I // 2) * H,             # w13 in chunks of 3 and 1 experts, w2 in one
+    "tp2-rank1": 2 * (I // 2) * H,                 # w13 one expert a chunk, w2 two
+    "ep2-rank1": H * I,                            # w13 and w2 one expert a chunk
+}
 
 
 def patched_files(patch: Path) -> list[str]:
@@ -165,7 +171,8 @@ def checkpoint() -> dict:
     """Per expert, what a k3convert output stores for w1/w3/w2: compressed-tensors' own packing of int4
     codes (code -8 in every tensor), bf16 group-32 scales, weight_shape."""
     gen = torch.Generator().manual_seed(41)
-    ckpt: dict = {"experts": E, "hidden": H, "intermediate": I, "cases": list(CASES.values())}
+    ckpt: dict = {"experts": E, "hidden": H, "intermediate": I, "cases": list(CASES.values()),
+                  "chunk_values": {CASES[c]: v for c, v in CHUNK_VALUES.items()}}
     for e in range(E):
         for shard, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
             codes = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)

@@ -161,6 +161,9 @@ def run_case(ckpt: dict, case: tuple[int, int, int, int]) -> dict:
              "w13_weight_shape", "w2_weight_shape")
     out["loaded"] = {n: getattr(layer, n).data.clone() for n in names}
     storage = {n: getattr(layer, n).data.untyped_storage().data_ptr() for n in names[:4]}
+    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
+
+    int_wna16._AITER_INT4_CONVERT_CHUNK_VALUES = ckpt["chunk_values"][case]
     method.process_weights_after_loading(layer)
     out["converted"] = {n: getattr(layer, n).data.contiguous().view(torch.uint8).clone() for n in names[:4]}
     out["converted_dtypes"] = {n: str(getattr(layer, n).dtype) for n in names[:4]}
