@@ -45,7 +45,7 @@ SRC_ENV, PY_ENV = "K3CONVERT_VLLM034_SRC", "K3CONVERT_VLLM034_PYTHON"
 PATCH_TESTS = ("tests/quantization/test_moe_wna16_aiter.py",
                "tests/quantization/test_compressed_tensors_flydsl_silu.py",
                "tests/kernels/moe/test_aiter_int4_situ_moe.py")
-E, H, I = 4, 256, 256          # experts, hidden, intermediate: at TP 2 still the multiples of 128 AITER needs
+EXPERTS, HIDDEN, INTER = 4, 256, 256    # at TP 2 still the multiples of 128 AITER needs
 CASES = {                                          # (tp_size, tp_rank, ep_size, ep_rank)
     "tp1": (1, 0, 1, 0),
     "tp2-rank0": (2, 0, 1, 0),
@@ -54,9 +54,9 @@ CASES = {                                          # (tp_size, tp_rank, ep_size,
 }
 CHUNK_VALUES = {                                   # the conversion's chunk, in int4 values, per case
     "tp1": 1 << 27,                                # all experts at once (the patch's default)
-    "tp2-rank0": 3 * 2 * (I // 2) * H,             # w13 in chunks of 3 and 1 experts, w2 in one
-    "tp2-rank1": 2 * (I // 2) * H,                 # w13 one expert a chunk, w2 two
-    "ep2-rank1": H * I,                            # w13 and w2 one expert a chunk
+    "tp2-rank0": 3 * 2 * (INTER // 2) * HIDDEN,             # w13 in chunks of 3 and 1 experts, w2 in one
+    "tp2-rank1": 2 * (INTER // 2) * HIDDEN,                 # w13 one expert a chunk, w2 two
+    "ep2-rank1": HIDDEN * INTER,                            # w13 and w2 one expert a chunk
 }
 
 
@@ -171,10 +171,10 @@ def checkpoint() -> dict:
     """Per expert, what a k3convert output stores for w1/w3/w2: compressed-tensors' own packing of int4
     codes (code -8 in every tensor), bf16 group-32 scales, weight_shape."""
     gen = torch.Generator().manual_seed(41)
-    ckpt: dict = {"experts": E, "hidden": H, "intermediate": I, "cases": list(CASES.values()),
+    ckpt: dict = {"experts": EXPERTS, "hidden": HIDDEN, "intermediate": INTER, "cases": list(CASES.values()),
                   "chunk_values": {CASES[c]: v for c, v in CHUNK_VALUES.items()}}
-    for e in range(E):
-        for shard, (n, k) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+    for e in range(EXPERTS):
+        for shard, (n, k) in (("w1", (INTER, HIDDEN)), ("w3", (INTER, HIDDEN)), ("w2", (HIDDEN, INTER))):
             codes = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
             codes[:, 0] = -8
             ckpt[f"{e}.{shard}.codes"] = codes
@@ -188,7 +188,7 @@ def checkpoint() -> dict:
 def rank_slice(ckpt: dict, expert: int, tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:
     """The rank's share of one expert, restated from what TP means for gate/up (column parallel: rows of
     w1 and w3, stacked [gate; up]) and down (row parallel: input columns of w2)."""
-    rows = slice(tp_rank * I // tp_size, (tp_rank + 1) * I // tp_size)
+    rows = slice(tp_rank * INTER // tp_size, (tp_rank + 1) * INTER // tp_size)
 
     def cols(per_row: int) -> slice:
         return slice(tp_rank * per_row // tp_size, (tp_rank + 1) * per_row // tp_size)
@@ -197,10 +197,10 @@ def rank_slice(ckpt: dict, expert: int, tp_size: int, tp_rank: int) -> dict[str,
     return {
         "w13_weight_packed": torch.cat([get("w1", "weight_packed")[rows], get("w3", "weight_packed")[rows]]),
         "w13_weight_scale": torch.cat([get("w1", "weight_scale")[rows], get("w3", "weight_scale")[rows]]),
-        "w2_weight_packed": get("w2", "weight_packed")[:, cols(I // 8)],
-        "w2_weight_scale": get("w2", "weight_scale")[:, cols(I // 32)],
-        "w13_weight_shape": torch.tensor([I, H], dtype=torch.float32),
-        "w2_weight_shape": torch.tensor([H, I], dtype=torch.float32),
+        "w2_weight_packed": get("w2", "weight_packed")[:, cols(INTER // 8)],
+        "w2_weight_scale": get("w2", "weight_scale")[:, cols(INTER // 32)],
+        "w13_weight_shape": torch.tensor([INTER, HIDDEN], dtype=torch.float32),
+        "w2_weight_shape": torch.tensor([HIDDEN, INTER], dtype=torch.float32),
     }
 
 
@@ -232,7 +232,7 @@ def test_loader_fills_each_rank_with_its_slice(loaded, case):
     tp_size, tp_rank, ep_size, ep_rank = CASES[case]
     result = out["cases"][CASES[case]]
     assert (result["backend"], result["experts_cls"]) == ("AITER", "AiterMxfp4Experts")
-    per_rank = E // ep_size
+    per_rank = EXPERTS // ep_size
     owned = list(range(ep_rank * per_rank, (ep_rank + 1) * per_rank))     # linear placement
     assert result["local_to_global"] == list(enumerate(owned))
     for key, flag in result["loaded_flags"].items():
@@ -252,7 +252,7 @@ def test_backend_conversion_gives_the_plugin_bytes_in_place(loaded, case):
     ckpt, out = loaded
     tp_size, tp_rank, ep_size, ep_rank = CASES[case]
     result = out["cases"][CASES[case]]
-    per_rank = E // ep_size
+    per_rank = EXPERTS // ep_size
     owned = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
     slices = [rank_slice(ckpt, e, tp_size, tp_rank) for e in owned]
     for name in ("w13", "w2"):

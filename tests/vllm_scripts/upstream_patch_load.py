@@ -98,7 +98,6 @@ def build_layer(ckpt: dict, tp_size: int, tp_rank: int, ep_size: int, ep_rank: i
     """0.34.0's RoutedExperts (its loader methods, not its __init__, which needs a running vLLM) with
     the real FusedMoEConfig, ExpertMapManager and the patched method's params."""
     from compressed_tensors.quantization import QuantizationArgs
-
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import (
         FusedMoEConfig,
