@@ -7,8 +7,8 @@
 #                          distributed/utils.py (how DP/EP/PP split the MoE: tests/test_serving.py),
 #                          compressed_tensors/utils.py and utils/config_utils.py (the target matcher:
 #                          tests/test_match.py), model_executor/utils.py (0.34's route:
-#                          tests/test_layout_kernel.py), and for 0.34 the files the upstream patch
-#                          applies to (tests/test_upstream_patch.py); the model registry, config and
+#                          tests/test_layout_kernel.py), and for 0.34 the files the upstream patches
+#                          apply to (tests/test_upstream_patch.py); the model registry, config and
 #                          tokenizer files docs/deploy.md cites (tests/test_deploy_doc.py)
 #   amd-aiter 0.1.7.post2.dev18  aiter/ops/shuffle.py
 #   sglang 0.5.23          the WNA16 MoE and model files that decide how Ling's and GLM's swiglu
@@ -39,8 +39,10 @@ VLLM_FILES=(
 VLLM034_FILES=(
   "${VLLM_FILES[@]}"
   $CT/compressed_tensors_moe/compressed_tensors_moe.py
+  $CT/compressed_tensors_moe/compressed_tensors_moe_wna16.py
   $CT/schemes/compressed_tensors_wNa16.py
   vllm/model_executor/layers/fused_moe/activation.py
+  vllm/model_executor/layers/fused_moe/oracle/int_wna16.py
 )
 AITER_FILES=(aiter/ops/shuffle.py)
 SGLANG_FILES=(
