@@ -261,7 +261,7 @@ def format_info(info: dict[str, Any]) -> str:
         lines.append(f"  conversion:   {plan['tensors_to_convert']} {plan['fp4']} matrices to convert "
                      f"({plan['source_tensors_converted']} source tensors); output {_gb(plan['bytes_out'])} "
                      f"from {_gb(plan['bytes_in'])}; {plan['modules_split_across_shards']} module(s) with "
-                     "packed and scale tensors in different shards")
+                     "tensors in more than one shard")
         lines += _bf16_line(plan["modules_to_bf16"], "to be written")
         lines.append(f"  scales:       {plan['scale_convention']}")
         dropped = [d["where"] for d in plan["dropped"]] + plan["dropped_tensors"]

@@ -3,10 +3,10 @@
 Everything that can be checked without reading tensor data is checked here, and all
 problems are reported together, before any shard is converted.
 
-Writers shard by size, not by module, so a module's packed and scale tensors may sit in
-different shards, in either order. Pairs are made over the whole checkpoint; a converted
-module's three output tensors go to the shard that holds its packed tensor (the large one),
-which reads the scale from the other shard by offset (docs/decisions.md).
+Writers shard by size, not by module, so a module's tensors (packed, scale, an NVFP4 global
+scale) may sit in different shards, in any order. They are found over the whole checkpoint; a
+converted module's three output tensors go to the shard that holds its packed tensor (the large
+one), which reads the others from their shards by offset, tensor by tensor (docs/decisions.md).
 """
 from __future__ import annotations
 
@@ -128,8 +128,8 @@ class Plan:
 
     @property
     def straddled(self) -> int:
-        """MXFP4 modules whose two tensors sit in different shards."""
-        return sum(c.scale.path != c.packed.path for s in self.shards for c in s.pairs)
+        """Modules whose tensors sit in more than one shard."""
+        return sum(c.split for s in self.shards for c in s.pairs)
 
     def weight_map(self) -> dict[str, str]:
         return {t.name: s.name for s in self.shards for t in s.layout.tensors}
