@@ -317,3 +317,30 @@ def test_inspect_names_an_nvfp4_source_and_what_converting_reads(layout, sources
     assert f"NVFP4 source ({who}): k3convert converts this" in r.output
     n = len(EXPERTS_OF)
     assert f"{n} NVFP4 matrices to convert ({3 * n} source tensors)" in r.output   # packed, E4M3, FP32 each
+
+
+def test_a_modelopt_config_stated_twice_is_replaced_everywhere(sources, tmp_path):
+    """issue 40 H9: ModelOpt's statement at top level and in text_config (as a multimodal config nests it).
+    Both are read, and both become the int4 block: before, text_config still said NVFP4 over int4 tensors
+    (exit 0, then verify's config check failed)."""
+    from converter.formats.checkpoint import quant_blocks
+    from converter.verify import int4_block_problems
+
+    src = str(tmp_path / "src")
+    shutil.copytree(sources["modelopt"], src)
+    config = read_json(os.path.join(src, "config.json"))
+    config["text_config"] = {"model_type": "mixtral", "hidden_act": "silu",
+                             "quantization_config": {**MODELOPT_CONFIG, "exclude_modules": ["lm_head", "*self_attn*"]}}
+    write_json(os.path.join(src, "config.json"), config)
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src, "-o", dst, "--drop-activation-quant", "--progress", "none")
+    assert r.exit_code == 0, (r.output, r.exception)
+    out = read_json(os.path.join(dst, "config.json"))
+    blocks = quant_blocks(out)
+    assert [p for p, _ in blocks] == [("quantization_config",), ("text_config", "quantization_config")]
+    assert all(not int4_block_problems(b) for _, b in blocks), blocks
+    assert blocks[0][1] == blocks[1][1]
+    assert [d["where"] for d in read_json(os.path.join(dst, MANIFEST))["source"]["quantization"]["dropped"]] == \
+        ["quantization_config.quant_algo", "text_config.quantization_config.quant_algo"]
+    res = verify(dst, src, sample=None)
+    assert res.ok, [(c.name, c.problems) for c in res.checks if not c.ok]
