@@ -85,6 +85,12 @@ class MXFP4Source:
         :meth:`rewrite`."""
         raise NotImplementedError
 
+    def packs(self, name: str, dtype: str) -> bool:
+        """Whether a tensor (name, safetensors dtype) is one of the source's packed FP4 tensors: its packed
+        suffix, and U8 where that suffix is a plain ``weight`` (Quark, ModelOpt: a bf16 X.weight is unquantized).
+        The pairing and ``inspect`` count by it."""
+        return name.endswith("." + self.packed_suffix) and (self.packed_suffix != "weight" or dtype == "U8")
+
     def states(self, block: dict) -> bool:
         """Whether a quantization_config block states this source's quantization (its dialect claims it)."""
         return DIALECTS[self.dialect].claims(block)

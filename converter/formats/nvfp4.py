@@ -116,7 +116,9 @@ class Nvfp4Source(MXFP4Source):
 
     def problem(self, m: str, packed: Described, scale: Described | None, gs: Described | None) -> str | None:
         """Why module ``m``'s three tensors (dtype and shape, from a header or loaded) are not an NVFP4
-        linear this tool converts, or None. ``packed`` is a U8 ``packed_suffix`` tensor."""
+        linear this tool converts, or None. ``packed`` is a ``packed_suffix`` tensor (``packs``)."""
+        if packed[0] != "U8":
+            return f"expected U8 packed E2M1 codes, got {packed[0]}"
         if scale is None or gs is None:
             return f"packed NVFP4 needs {self.scale_suffix} and {self.global_suffix} beside it"
         if not self.selects(m):
@@ -204,6 +206,20 @@ def _compressed_tensors(blocks: list, config_path: str, drop: bool) -> Nvfp4Sour
 MODELOPT_FILE = "hf_quant_config.json"
 
 
+def modelopt_statement(obj: Any, path: str) -> dict:
+    """``hf_quant_config.json`` (``path``: ModelOpt up to 0.27 states its quantization only there, as NVIDIA's
+    published FP4 checkpoints do) as the quantization_config block :func:`read` reads: its ``quantization``
+    object under ``quant_method "modelopt"``. A file that cannot mean ModelOpt NVFP4 is refused naming it;
+    ``group_size`` and ``exclude_modules`` are checked by the reader, as in config.json."""
+    q = obj.get("quantization") if isinstance(obj, dict) else None
+    if not isinstance(q, dict):
+        raise BadInput("no 'quantization' object: not ModelOpt's statement of a quantization", file=path)
+    if str(q.get("quant_algo", "")).upper() != "NVFP4":
+        raise BadInput(f"quantization.quant_algo is {json.dumps(q.get('quant_algo'))[:40]}: k3convert reads "
+                       "ModelOpt NVFP4 (group 16) only", file=path)
+    return {"quant_method": "modelopt", **q}
+
+
 def _modelopt(blocks: list, config_path: str, drop: bool) -> Nvfp4Source:
     """ModelOpt's config, flat in config.json or as hf_quant_config.json's ``quantization`` object; every
     statement of it (a config may state it at top level and in text_config) checked, their excludes joined."""
@@ -273,4 +289,5 @@ def read(config: dict, config_path: str, drop: bool = False) -> Nvfp4Source:
 register(Dialect(DIALECT, lambda _b: False, lambda _b: False, read))
 
 
-__all__ = ["DIALECT", "DROP_FLAG", "Layout", "Nvfp4Source", "is_nvfp4", "nvfp4_format", "read"]
+__all__ = ["DIALECT", "DROP_FLAG", "MODELOPT_FILE", "Layout", "Nvfp4Source", "is_nvfp4", "modelopt_statement",
+           "nvfp4_format", "read"]

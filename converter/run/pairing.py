@@ -18,10 +18,9 @@ def pair_mxfp4(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problem
     """Every MXFP4 module of the checkpoint, its packed and scale tensors found in any shard
     (``unread``: tensors of shards already reported missing or broken, not reported again)."""
     suffix = "." + source.packed_suffix
-    quark = source.packed_suffix == "weight"   # Quark, MiMo's fp8 config: a float X.weight is not MXFP4
     converts: dict[str, Convert] = {}
     for name, t in tensors.items():
-        if not name.endswith(suffix) or (quark and t.dtype != "U8"):  # Quark: a bf16 X.weight is unquantized
+        if not source.packs(name, t.dtype):  # Quark, MiMo's fp8 config: a bf16 X.weight is unquantized
             continue
         module = name[: -len(suffix)]
         scale = tensors.get(f"{module}.{source.scale_suffix}")
@@ -69,7 +68,7 @@ def pair_nvfp4(tensors: dict[str, TensorInfo], source: Nvfp4Source, problems: li
     suffix = "." + source.packed_suffix
     converts: dict[str, Convert] = {}
     for name, t in tensors.items():
-        if not name.endswith(suffix) or t.dtype != "U8":   # ModelOpt: a bf16 X.weight is unquantized
+        if not source.packs(name, t.dtype):   # ModelOpt: a bf16 X.weight is unquantized
             continue
         m = name[: -len(suffix)]
         scale, gs = tensors.get(f"{m}.{source.scale_suffix}"), tensors.get(f"{m}.{source.global_suffix}")
