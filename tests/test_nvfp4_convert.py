@@ -412,3 +412,17 @@ def test_an_hf_quant_config_that_cannot_mean_nvfp4_is_refused_naming_it(sources,
     assert not os.path.exists(dst)
     r = run_cli("inspect", src)
     assert "k3convert refuses it" in r.output and "hf_quant_config.json" in r.output and needle in r.output, r.output
+
+
+def test_a_changed_hf_quant_config_is_a_changed_source(sources, tmp_path):
+    """The file that states the quantization is part of what DST is a conversion of: a rerun (a resume, a
+    job part) after it changed is refused naming it, as for config.json."""
+    src = _modelopt_027(sources, str(tmp_path / "src"))
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src, "-o", dst, "--drop-activation-quant", "--progress", "none", "--shards", "1")
+    assert r.exit_code == 0, (r.output, r.exception)
+    statement = read_json(os.path.join(src, "hf_quant_config.json"))
+    statement["quantization"]["exclude_modules"].append("*vision_tower*")   # selects the same modules
+    write_json(os.path.join(src, "hf_quant_config.json"), statement)
+    r = run_cli("mxfp4-to-int4", src, "-o", dst, "--drop-activation-quant", "--progress", "none")
+    assert r.exit_code != 0 and "hf_quant_config.json" in r.stderr, r.stderr

@@ -103,6 +103,7 @@ class Plan:
     shards: list[ShardPlan]
     other_files: list[str]         # copied byte-identical (tokenizer, chat template, *.py, ...)
     dropped: list[str] = field(default_factory=list)  # tensors left out by --drop-activation-quant
+    stated_in: str | None = None   # the file that states the quantization where not config.json (ckpt.stated)
 
     @property
     def bytes_in(self) -> int:
@@ -414,4 +415,5 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     if problems:
         raise BadInput(f"{len(problems)} problem(s) in {src}:\n  " + "\n  ".join(problems)
                        if len(problems) > 1 else problems[0])
-    return Plan(src, config, source, prof, why, act, shards, others, dropped)
+    return Plan(src, config, source, prof, why, act, shards, others, dropped,
+                None if stated_in == config_path else stated_in)
