@@ -96,3 +96,37 @@ def test_llm_compressors_own_sharded_export_converts_as_its_unsharded_one(tmp_pa
     sharded = str(root / "sharded")
     assert len(lone_global_scales(sharded)) >= 2, read_json(os.path.join(sharded, INDEX))["weight_map"]
     assert_same_conversion(str(root / "one"), sharded, tmp_path)
+
+
+def test_from_the_hub_a_previous_shards_global_scale_and_hf_quant_config_are_read(tmp_path):
+    """Straight from a (local, loopback) Hub with one shard ahead: a shard whose global scales sit in the
+    previous shard waits for it as for any partner, and a ModelOpt <= 0.27 repository's hf_quant_config.json
+    (a side file of the view) is its statement; each output equals the local conversion of the same files."""
+    from hub_server import HubServer
+    from test_hub_source import cli
+    from test_nvfp4 import to_modelopt
+    from test_nvfp4_convert import MODELOPT_CONFIG
+
+    sd = dict(sorted(_tensors().items()))
+    config = _config(_ct_quant(False))
+    repos = {"org/ct": save_like_save_pretrained(str(tmp_path / "ct"), sd, config, 12_000)}
+    modelopt = save_like_save_pretrained(str(tmp_path / "mo"), dict(sorted(to_modelopt(sd).items())),
+                                         {k: v for k, v in config.items() if k != "quantization_config"}, 12_000)
+    write_json(os.path.join(modelopt, "hf_quant_config.json"),
+               {"producer": {"name": "modelopt", "version": "0.27.1"},
+                "quantization": {k: v for k, v in MODELOPT_CONFIG.items() if k != "quant_method"}})
+    repos["org/modelopt"] = modelopt
+    assert lone_global_scales(repos["org/ct"])
+    with HubServer(lifetime=600) as hub:
+        for repo, src in repos.items():
+            hub.add(repo, src)
+            local, remote = str(tmp_path / f"{repo}-local"), str(tmp_path / f"{repo}-hub")
+            r = run_cli("mxfp4-to-int4", src, "-o", local, "--drop-activation-quant", "--progress", "none")
+            assert r.exit_code == 0, (repo, r.output, r.exception)
+            r = cli(["mxfp4-to-int4", repo, "-o", remote, "--ahead", "1", "--drop-activation-quant"], hub,
+                    str(tmp_path / "cache"))
+            assert r.returncode == 0, (repo, r.stderr)
+            a, b = all_tensors(local), all_tensors(remote)
+            assert set(a) == set(b) and all(tensor_bytes(a[n][1]) == tensor_bytes(b[n][1]) for n in a), repo
+            assert read_json(os.path.join(local, "config.json")) == read_json(os.path.join(remote, "config.json"))
+            assert not os.path.exists(os.path.join(remote, "hf_quant_config.json"))
