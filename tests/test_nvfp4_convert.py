@@ -319,8 +319,9 @@ def test_inspect_names_an_nvfp4_source_and_what_converting_reads(layout, sources
     assert f"{n} NVFP4 matrices to convert ({3 * n} source tensors)" in r.output   # packed, E4M3, FP32 each
     # counted as the conversion pairs them (before: "quantized modules (weight_packed): 0" for ModelOpt)
     assert f"quantized modules ({NAMES[layout][0]}): {n}" in r.output
-    assert {"compressed-tensors": "quantization_config: compressed-tensors / nvfp4-pack-quantized",
-            "modelopt": "quantization_config: modelopt / NVFP4 (group_size=16); 3 ignore pattern(s)"}[layout] in r.output
+    block = {"compressed-tensors": "quantization_config: compressed-tensors / nvfp4-pack-quantized",
+             "modelopt": "quantization_config: modelopt / NVFP4 (group_size=16); 3 ignore pattern(s)"}[layout]
+    assert block in r.output, r.output
 
 
 def test_a_modelopt_config_stated_twice_is_replaced_everywhere(sources, tmp_path):
