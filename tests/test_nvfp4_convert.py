@@ -277,9 +277,13 @@ def _nan_scale(t: dict, m: str) -> None:
     (_nan_scale, "weight_scale", "block 1 of row 3: a NaN or negative E4M3 scale"),
     (lambda t, m: t.__setitem__(f"{m}.weight_global_scale", torch.tensor([float("inf")])), "weight_global_scale",
      "finite positive"),
-], ids=["outside-bf16", "nan-block-scale", "inf-global"])
+    # before: a packed tensor that is not U8 was passed over, then copied through as data beside its scales
+    (lambda t, m: t.__setitem__(f"{m}.weight_packed", t[f"{m}.weight_packed"].view(torch.int8)), "weight_packed",
+     "expected U8 packed E2M1 codes, got I8"),
+], ids=["outside-bf16", "nan-block-scale", "inf-global", "packed-not-u8"])
 def test_bad_values_are_one_line_naming_file_and_tensor(tmp_path, edit, tensor, needle):
-    """Found as the module is read or requantized: refused in one line, the shard not written, nothing complete."""
+    """Found from the headers, or as the module is read or requantized: refused in one line, the shard not
+    written, nothing complete."""
     t = _tensors()
     m = "model.layers.1.block_sparse_moe.experts.2.w3"
     edit(t, m)
