@@ -27,31 +27,53 @@ OTHER = "other"
 UNQUANTIZED = "unquantized"
 
 
-def _block_summary(path: tuple[str, ...], block: dict) -> dict[str, Any]:
-    weights = [g.get("weights") or {} for g in (block.get("config_groups") or {}).values() if isinstance(g, dict)]
-    keys = ("num_bits", "type", "group_size", "symmetric", "strategy")
+# what states a block's format and weights where it has no compressed-tensors config_groups (auto-round's own
+# format, ModelOpt), and its ignore list under other names
+_FORMAT_KEYS = ("format", "packing_format", "quant_algo")
+_WEIGHT_KEYS = ("num_bits", "bits", "type", "data_type", "group_size", "symmetric", "sym", "strategy")
+_IGNORE_KEYS = ("ignore", "exclude_modules")
+
+
+def _block_summary(path: tuple[str, ...], block: dict, where: str | None = None) -> dict[str, Any]:
+    """A quantization_config block for the reader; ``where``: the file that states it, if not config.json."""
+    groups = [g.get("weights") or {} for g in (block.get("config_groups") or {}).values() if isinstance(g, dict)]
+    weights = [w for w in groups if isinstance(w, dict)] or [block]
     return {
-        "where": ".".join(path),
+        "where": where or ".".join(path),
         "quant_method": block.get("quant_method"),
-        "format": block.get("format"),
-        "weights": [{k: w.get(k) for k in keys if k in w} for w in weights],
-        "ignore": list(block.get("ignore") or []),
+        "format": next((block[k] for k in _FORMAT_KEYS if block.get(k) is not None), None),
+        "weights": [{k: w.get(k) for k in _WEIGHT_KEYS if k in w} for w in weights],
+        "ignore": list(next((block[k] for k in _IGNORE_KEYS if isinstance(block.get(k), list)), [])),
     }
 
 
-def _detect(blocks: list[tuple[tuple[str, ...], dict]], has_manifest: bool) -> tuple[str, str]:
-    """(kind, a sentence) from the quantization blocks and the presence of a k3convert manifest."""
+def read_source(config: dict, stated_in: str) -> tuple[ckpt.MXFP4Source | None, str | None]:
+    """The source as a conversion reads it (``checkpoint.dialect``, then its reader; activation quantization
+    taken as dropped, which the plan shows as needing the flag), or None and the reader's refusal (None
+    where no dialect claims the config: not a source)."""
+    try:
+        name = ckpt.dialect(config, stated_in)
+    except BadInput:
+        return None, None
+    try:
+        return ckpt.mxfp4_source(config, stated_in, True, name), None
+    except BadInput as e:
+        return None, str(e)
+
+
+def _detect(blocks: list[tuple[tuple[str, ...], dict]], has_manifest: bool, source: ckpt.MXFP4Source | None,
+            refused: str | None, stated_in: str) -> tuple[str, str]:
+    """(kind, a sentence) from the source as a conversion reads it (``read_source``), the quantization blocks
+    and the presence of a k3convert manifest."""
+    if source is not None:
+        writer, fp4 = source.source_format.rsplit(" ", 1)
+        where = "" if os.path.basename(stated_in) == "config.json" else f", stated in {os.path.basename(stated_in)}"
+        return MXFP4_SOURCE, (f"{fp4} source ({writer}{where}): k3convert converts this"
+                              + (" (docs/nvfp4.md)" if isinstance(source, nvfp4.Nvfp4Source) else ""))
+    if refused:
+        return OTHER, f"other: k3convert refuses it: {refused}"
     if not blocks:
         return UNQUANTIZED, "no quantization_config (unquantized, or not a checkpoint k3convert knows)"
-    if any(ckpt.is_mxfp4(b) for _, b in blocks):
-        methods = {b.get("quant_method") for _, b in blocks}
-        what = "AMD Quark MXFP4" if "quark" in methods else "vLLM fp8 config, MXFP4 experts (store_dtype mxfp4)" \
-            if "fp8" in methods else f"compressed-tensors {ckpt.MXFP4_FORMAT}"
-        return MXFP4_SOURCE, f"MXFP4 source ({what}): k3convert converts this"
-    if any(nvfp4.is_nvfp4(b) for _, b in blocks):
-        what = "ModelOpt" if any(b.get("quant_method") == "modelopt" for _, b in blocks) else \
-            "auto-round" if any(b.get("quant_method") == "auto-round" for _, b in blocks) else "compressed-tensors"
-        return MXFP4_SOURCE, f"NVFP4 source ({what}): k3convert converts this (docs/nvfp4.md)"
     from .verify import int4_block_problems  # imports torch (seconds): not for a source
 
     if all(not int4_block_problems(b) for _, b in blocks):
@@ -94,6 +116,11 @@ def inspect_path(path: str) -> dict[str, Any]:
         raise BadInput(why or "no such file or directory", file=path)
     config_path = os.path.join(path, "config.json")
     config = ckpt.load_json(config_path) if os.path.exists(config_path) else {}
+    try:   # ModelOpt <= 0.27 states its quantization in hf_quant_config.json only
+        config, stated_in = ckpt.stated(path, config, config_path)
+        source, refused = read_source(config, stated_in)
+    except BadInput as e:
+        stated_in, source, refused = config_path, None, str(e)
     try:
         manifest = read_json(os.path.join(path, MANIFEST))
     except ConvertError:
@@ -101,7 +128,7 @@ def inspect_path(path: str) -> dict[str, Any]:
     if manifest is not None and not isinstance(manifest, dict):  # valid JSON, not an object
         manifest = {"unreadable": True}
     blocks = ckpt.quant_blocks(config)
-    kind, description = _detect(blocks, manifest is not None)
+    kind, description = _detect(blocks, manifest is not None, source, refused, stated_in)
     if manifest and not manifest.get("unreadable") and not os.path.exists(os.path.join(path, ckpt.INDEX)):
         # an unfinished k3convert output: no index yet, the manifest names the shards done
         wm = {t: n for n in sorted(manifest.get("shards") or {}) if os.path.exists(os.path.join(path, n))
@@ -119,7 +146,8 @@ def inspect_path(path: str) -> dict[str, Any]:
             shards.append({"name": name, "missing": True})
             continue
         h = read_header(p)
-        n_mod = sum(t.endswith("." + PACKED) for t in h.tensors)
+        n_mod = sum(t.endswith("." + PACKED) for t in h.tensors) if source is None else \
+            sum(source.packs(n, t.dtype) for n, t in h.tensors.items())
         shards.append({"name": name, "bytes": h.file_size, "tensors": len(h.tensors), "quantized_modules": n_mod})
         dtypes.update(t.dtype for t in h.tensors.values())
         total_bytes += h.file_size
@@ -136,7 +164,9 @@ def inspect_path(path: str) -> dict[str, Any]:
         "shards": shards, "shard_count": len(shards),
         "tensors": len(wm), "quantized_modules": modules, "dtypes": dict(sorted(dtypes.items())),
         "bytes": total_bytes, "other_files": others,
-        "quantization_configs": [_block_summary(p, b) for p, b in blocks],
+        "packed_suffix": source.packed_suffix if source is not None else PACKED,
+        "quantization_configs": [_block_summary(p, b, None if stated_in == config_path else
+                                                os.path.basename(stated_in)) for p, b in blocks],
         "situ": _situ(config),
         "situ_in_shard_metadata": f"{metadata_situ} of {len(shards)} shard(s)",
     }
@@ -149,14 +179,15 @@ def inspect_path(path: str) -> dict[str, Any]:
             report = read_json(os.path.join(path, REPORT))
         except ConvertError:
             pass
-        source = manifest.get("source") or {}
-        quant = source.get("quantization") or {}
+        recorded = manifest.get("source") or {}
+        quant = recorded.get("quantization") or {}
         info["k3convert"] = {
             "complete": manifest.get("complete"), "status": manifest.get("status"),
-            "version": manifest.get("version"), "source": source.get("path"),
-            "profile": source.get("profile"), "scale_convention": quant.get("scale_convention"),
-            "dropped": [d.get("where") for d in quant.get("dropped") or []] + list(source.get("dropped_tensors") or []),
-            "dequantized": [m for m in source.get("dequantized") or [] if isinstance(m, str)],
+            "version": manifest.get("version"), "source": recorded.get("path"),
+            "profile": recorded.get("profile"), "scale_convention": quant.get("scale_convention"),
+            "dropped": [d.get("where") for d in quant.get("dropped") or []]
+            + list(recorded.get("dropped_tensors") or []),
+            "dequantized": [m for m in recorded.get("dequantized") or [] if isinstance(m, str)],
             "activation": manifest.get("activation"),
             "worst": (report or {}).get("worst"), "rel_rmse_mean": (report or {}).get("rel_rmse_mean"),
             "scale_rule": recorded_rule(manifest),
@@ -237,7 +268,7 @@ def format_info(info: dict[str, Any]) -> str:
              f"  model:        {info.get('model_type') or '-'} {info.get('architectures') or ''}".rstrip(),
              f"  shards:       {info['shard_count']} ({_gb(info['bytes'])})",
              f"  tensors:      {info['tensors']} ({', '.join(f'{k} {v}' for k, v in info['dtypes'].items())}); "
-             f"quantized modules (weight_packed): {info['quantized_modules']}"]
+             f"quantized modules ({info.get('packed_suffix', PACKED)}): {info['quantized_modules']}"]
     missing = missing_shards(info)
     if missing:
         lines.append(f"  MISSING:      {', '.join(missing)}")
@@ -261,7 +292,7 @@ def format_info(info: dict[str, Any]) -> str:
         lines.append(f"  conversion:   {plan['tensors_to_convert']} {plan['fp4']} matrices to convert "
                      f"({plan['source_tensors_converted']} source tensors); output {_gb(plan['bytes_out'])} "
                      f"from {_gb(plan['bytes_in'])}; {plan['modules_split_across_shards']} module(s) with "
-                     "packed and scale tensors in different shards")
+                     "tensors in more than one shard")
         lines += _bf16_line(plan["modules_to_bf16"], "to be written")
         lines.append(f"  scales:       {plan['scale_convention']}")
         dropped = [d["where"] for d in plan["dropped"]] + plan["dropped_tensors"]

@@ -442,3 +442,31 @@ def test_scale_rule_help_agrees_with_readme():
     assert opt.default == "optimal"
     assert "until" not in opt.help and "right for MI300X/MI325X too" in opt.help
     assert "self-test" in opt.help and "re-optimizes" in opt.help
+
+
+def test_fp4_to_int4_is_the_same_command_under_the_name_of_both_formats(tmp_path):
+    """``fp4-to-int4`` runs ``mxfp4-to-int4`` itself (one command object, no copy): on an NVFP4 source both
+    write the same tensors and config; --help lists it under Aliases; usage errors say the name typed;
+    a misspelling of it is suggested; the job guard treats it as the conversion it is."""
+    from conftest import all_tensors, tensor_bytes
+
+    src = os.path.join(os.path.dirname(__file__), "data", "auto-round", "nvfp4")
+    out = {}
+    for name in ("mxfp4-to-int4", "fp4-to-int4"):
+        out[name] = str(tmp_path / name)
+        r = run_cli(name, src, "-o", out[name], "--drop-activation-quant", "--progress", "none")
+        assert r.exit_code == 0, (name, r.output, r.exception)
+    a, b = all_tensors(out["mxfp4-to-int4"]), all_tensors(out["fp4-to-int4"])
+    assert set(a) == set(b) and all(tensor_bytes(a[n][1]) == tensor_bytes(b[n][1]) for n in a)
+    assert read_json(os.path.join(out["fp4-to-int4"], "config.json")) == \
+        read_json(os.path.join(out["mxfp4-to-int4"], "config.json"))
+    assert main.get_command(None, "fp4-to-int4") is main.get_command(None, "mxfp4-to-int4")
+    help_text = run_cli("--help").output
+    assert re.search(r"Aliases:\s+fp4-to-int4\s+the same command as mxfp4-to-int4", help_text), help_text
+    r = run_cli("fp4-to-int4", "--help")
+    assert r.exit_code == 0 and "fp4-to-int4 [OPTIONS] SRC" in r.output and "MXFP4 or NVFP4" in r.output
+    r = run_cli("fp4-to-int4")
+    assert r.exit_code == 2 and "Missing argument 'SRC'" in r.stderr
+    assert main.k3_command == "mxfp4-to-int4"   # streams.JOBS: a job, whichever name was typed
+    r = run_cli("fp4-to-int")
+    assert r.exit_code == 2 and "Did you mean fp4-to-int4" in r.stderr, r.stderr

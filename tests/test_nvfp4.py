@@ -302,3 +302,16 @@ def test_mxfp4_to_int4_converts_auto_rounds_nvfp4_exports(tmp_path, name):
     assert not any(n.endswith(("global_scale", "input_global_scale")) for n in out)
     result = verify(dst, src, sample=None)
     assert result.ok, [(c.name, c.problems) for c in result.checks if not c.ok]
+
+
+def test_inspect_describes_auto_rounds_own_format_as_the_conversion_reads_it():
+    """Its block has no compressed-tensors ``format``: inspect shows what states it (before: "auto-round / None
+    (-)"), and the format line and module count are the reader's (``MXFP4Source.source_format``, ``packs``)."""
+    from conftest import run_cli
+
+    for name, fp4, data in (("nvfp4", "NVFP4", "nv_fp"), ("mxfp4", "MXFP4", "mx_fp")):
+        r = run_cli("inspect", os.path.join(DATA, name))
+        assert r.exit_code == 0, r.output
+        assert f"{fp4} source (auto-round): k3convert converts this" in r.output
+        assert f"auto-round / auto_round:llm_compressor (bits=4, data_type={data}, group_size=" in r.output
+        assert "quantized modules (weight_packed): 10" in r.output

@@ -277,9 +277,13 @@ def _nan_scale(t: dict, m: str) -> None:
     (_nan_scale, "weight_scale", "block 1 of row 3: a NaN or negative E4M3 scale"),
     (lambda t, m: t.__setitem__(f"{m}.weight_global_scale", torch.tensor([float("inf")])), "weight_global_scale",
      "finite positive"),
-], ids=["outside-bf16", "nan-block-scale", "inf-global"])
+    # before: a packed tensor that is not U8 was passed over, then copied through as data beside its scales
+    (lambda t, m: t.__setitem__(f"{m}.weight_packed", t[f"{m}.weight_packed"].view(torch.int8)), "weight_packed",
+     "expected U8 packed E2M1 codes, got I8"),
+], ids=["outside-bf16", "nan-block-scale", "inf-global", "packed-not-u8"])
 def test_bad_values_are_one_line_naming_file_and_tensor(tmp_path, edit, tensor, needle):
-    """Found as the module is read or requantized: refused in one line, the shard not written, nothing complete."""
+    """Found from the headers, or as the module is read or requantized: refused in one line, the shard not
+    written, nothing complete."""
     t = _tensors()
     m = "model.layers.1.block_sparse_moe.experts.2.w3"
     edit(t, m)
@@ -317,3 +321,113 @@ def test_inspect_names_an_nvfp4_source_and_what_converting_reads(layout, sources
     assert f"NVFP4 source ({who}): k3convert converts this" in r.output
     n = len(EXPERTS_OF)
     assert f"{n} NVFP4 matrices to convert ({3 * n} source tensors)" in r.output   # packed, E4M3, FP32 each
+    # counted as the conversion pairs them (before: "quantized modules (weight_packed): 0" for ModelOpt)
+    assert f"quantized modules ({NAMES[layout][0]}): {n}" in r.output
+    block = {"compressed-tensors": "quantization_config: compressed-tensors / nvfp4-pack-quantized",
+             "modelopt": "quantization_config: modelopt / NVFP4 (group_size=16); 3 ignore pattern(s)"}[layout]
+    assert block in r.output, r.output
+
+
+def test_a_modelopt_config_stated_twice_is_replaced_everywhere(sources, tmp_path):
+    """issue 40 H9: ModelOpt's statement at top level and in text_config (as a multimodal config nests it).
+    Both are read, and both become the int4 block: before, text_config still said NVFP4 over int4 tensors
+    (exit 0, then verify's config check failed)."""
+    from converter.formats.checkpoint import quant_blocks
+    from converter.verify import int4_block_problems
+
+    src = str(tmp_path / "src")
+    shutil.copytree(sources["modelopt"], src)
+    config = read_json(os.path.join(src, "config.json"))
+    config["text_config"] = {"model_type": "mixtral", "hidden_act": "silu",
+                             "quantization_config": {**MODELOPT_CONFIG, "exclude_modules": ["lm_head", "*self_attn*"]}}
+    write_json(os.path.join(src, "config.json"), config)
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src, "-o", dst, "--drop-activation-quant", "--progress", "none")
+    assert r.exit_code == 0, (r.output, r.exception)
+    out = read_json(os.path.join(dst, "config.json"))
+    blocks = quant_blocks(out)
+    assert [p for p, _ in blocks] == [("quantization_config",), ("text_config", "quantization_config")]
+    assert all(not int4_block_problems(b) for _, b in blocks), blocks
+    assert blocks[0][1] == blocks[1][1]
+    assert [d["where"] for d in read_json(os.path.join(dst, MANIFEST))["source"]["quantization"]["dropped"]] == \
+        ["quantization_config.quant_algo", "text_config.quantization_config.quant_algo"]
+    res = verify(dst, src, sample=None)
+    assert res.ok, [(c.name, c.problems) for c in res.checks if not c.ok]
+
+
+def _modelopt_027(sources, root: str, statement: dict | str | None = None) -> str:
+    """The ModelOpt source as ModelOpt <= 0.27 writes it: no quantization_config in config.json, the
+    statement only in hf_quant_config.json (``statement``: that file's ``quantization`` object, or its text)."""
+    shutil.copytree(sources["modelopt"], root)
+    config = read_json(os.path.join(root, "config.json"))
+    del config["quantization_config"]
+    write_json(os.path.join(root, "config.json"), config)
+    q = statement if statement is not None else {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                                 "exclude_modules": MODELOPT_CONFIG["exclude_modules"]}
+    path = os.path.join(root, "hf_quant_config.json")
+    if isinstance(q, str):
+        with open(path, "w") as f:
+            f.write(q)
+    else:
+        write_json(path, {"producer": {"name": "modelopt", "version": "0.27.1"}, "quantization": q})
+    return root
+
+
+def test_modelopt_stated_only_in_hf_quant_config_converts_as_config_json_stated(sources, converted, tmp_path):
+    """ModelOpt <= 0.27 (NVIDIA's published FP4 checkpoints): hf_quant_config.json is the statement. The
+    output is the 0.47-style source's, tensor for tensor and config for config: config.json states
+    compressed-tensors int4 at top level, and hf_quant_config.json is not carried (it would say NVFP4 over
+    int4 weights). Before: "no quantization_config ...: not an MXFP4 checkpoint"."""
+    src = _modelopt_027(sources, str(tmp_path / "src"))
+    r = run_cli("inspect", src)
+    assert r.exit_code == 0, r.output
+    assert "NVFP4 source (ModelOpt, stated in hf_quant_config.json): k3convert converts this" in r.output
+    assert f"quantized modules (weight): {len(EXPERTS_OF)}" in r.output   # ModelOpt's packed U8 X.weight
+    assert "quantization: hf_quant_config.json: modelopt / NVFP4" in r.output
+    assert f"{len(EXPERTS_OF)} NVFP4 matrices to convert" in r.output
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src, "-o", dst, "--drop-activation-quant", "--progress", "none")
+    assert r.exit_code == 0, (r.output, r.exception)
+    a, b = all_tensors(converted["modelopt"]), all_tensors(dst)
+    assert set(a) == set(b) and all(tensor_bytes(a[n][1]) == tensor_bytes(b[n][1]) for n in a)
+    want = read_json(os.path.join(converted["modelopt"], "config.json"))
+    assert read_json(os.path.join(dst, "config.json")) == want
+    assert want["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert not os.path.exists(os.path.join(dst, "hf_quant_config.json"))
+    assert os.path.exists(os.path.join(dst, "tokenizer_config.json"))
+    res = verify(dst, src, sample=None)
+    assert res.ok, [(c.name, c.problems) for c in res.checks if not c.ok]
+
+
+@pytest.mark.parametrize("statement, needle", [
+    ({"quant_algo": "FP8", "group_size": 16}, "quant_algo is \"FP8\""),
+    ({"quant_algo": "NVFP4", "group_size": 32}, "group 32: only ModelOpt NVFP4 (group 16)"),
+    ({"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": "lm_head"}, "exclude_modules is \"lm_head\""),
+    ([], "no 'quantization' object"),
+    ("{not json", "not valid JSON"),
+], ids=["fp8", "group-32", "exclude-not-a-list", "no-quantization", "not-json"])
+def test_an_hf_quant_config_that_cannot_mean_nvfp4_is_refused_naming_it(sources, tmp_path, statement, needle):
+    """One line naming hf_quant_config.json, exit 2, DST not made; inspect says the same."""
+    src = _modelopt_027(sources, str(tmp_path / "src"), statement if not isinstance(statement, list) else None)
+    if isinstance(statement, list):   # the file holds no quantization object at all
+        write_json(os.path.join(src, "hf_quant_config.json"), {"producer": {"name": "modelopt"}})
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src, "-o", dst, "--drop-activation-quant", "--progress", "none")
+    assert_clean_error(r, "hf_quant_config.json", needle, code=2)
+    assert not os.path.exists(dst)
+    r = run_cli("inspect", src)
+    assert "k3convert refuses it" in r.output and "hf_quant_config.json" in r.output and needle in r.output, r.output
+
+
+def test_a_changed_hf_quant_config_is_a_changed_source(sources, tmp_path):
+    """The file that states the quantization is part of what DST is a conversion of: a rerun (a resume, a
+    job part) after it changed is refused naming it, as for config.json."""
+    src = _modelopt_027(sources, str(tmp_path / "src"))
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src, "-o", dst, "--drop-activation-quant", "--progress", "none", "--shards", "1")
+    assert r.exit_code == 0, (r.output, r.exception)
+    statement = read_json(os.path.join(src, "hf_quant_config.json"))
+    statement["quantization"]["exclude_modules"].append("*vision_tower*")   # selects the same modules
+    write_json(os.path.join(src, "hf_quant_config.json"), statement)
+    r = run_cli("mxfp4-to-int4", src, "-o", dst, "--drop-activation-quant", "--progress", "none")
+    assert r.exit_code != 0 and "hf_quant_config.json" in r.stderr, r.stderr

@@ -18,13 +18,15 @@ from ..terminal.progress import Progress, human_sizes, interactive, rate_line, s
 from . import jobfile
 from .params import WORKERS_ENV, ProfileName, Source, Whole, WorkerCount, fail
 
+FP4_ALIAS = "fp4-to-int4"   # the same command, named for both FP4 formats it converts (docs/decisions.md)
+
 
 @click.command("mxfp4-to-int4")
 @click.argument("src", type=Source(file_okay=False))
 @jobfile.option
 @click.option("-o", "--output", "dst", type=click.Path(), help="Output directory [default: SRC-int4 beside SRC].")
 @click.option("--max-rel-rmse", type=float, default=0.15, show_default=True,
-              help="Fail (exit 3) if any tensor's relative RMSE vs the MXFP4 weights exceeds this.")
+              help="Fail (exit 3) if any tensor's relative RMSE vs the FP4 weights exceeds this.")
 @click.option("--devices", default=None, help="Comma list like cuda:0,cuda:1 or cpu [default: every GPU, else CPU].")
 @click.option("--workers", type=WorkerCount(), default=lambda: os.environ.get(WORKERS_ENV, "auto"),
               show_default="auto",
@@ -67,7 +69,9 @@ from .params import WORKERS_ENV, ProfileName, Source, Whole, WorkerCount, fail
 def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, workers_per_gpu, sample_experts, overwrite, shard_spec,
                   part, profile, drop_activation_quant, scale_rule, dry_run, progress, cache_dir=None, ahead=2,
                   keep_source=False, fp8_bf16_tp=None) -> None:
-    """Convert the MXFP4 checkpoint SRC into an int4 checkpoint a server loads directly.
+    """Convert the MXFP4 or NVFP4 checkpoint SRC into an int4 checkpoint a server loads directly.
+
+    Also called fp4-to-int4 (the same command). NVFP4 sources: docs/nvfp4.md.
 
     Exit codes: 0 done, 2 bad input, 3 error threshold exceeded, 4 output/IO problem
     (DST not usable, locked, disk full), 130 interrupted (run again to resume), 1 other.

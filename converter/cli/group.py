@@ -19,6 +19,25 @@ class _Main(click.Group):
     names the close ones. From the command line the process leaves at once when done
     (fastexit: no seconds of torch teardown, no process left behind)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.aliases: dict[str, str] = {}   # another name people type -> the command's own (add_alias)
+
+    def add_alias(self, alias: str, cmd: click.Command) -> None:
+        """``alias`` runs ``cmd`` (the same command object: its code, options and help, never a copy);
+        ``--help`` lists it under Aliases."""
+        assert cmd.name is not None and self.commands.get(cmd.name) is cmd, "register the command first"
+        self.aliases[alias] = cmd.name
+
+    def get_command(self, ctx, cmd_name):
+        return super().get_command(ctx, self.aliases.get(cmd_name, cmd_name))
+
+    def format_commands(self, ctx, formatter):
+        super().format_commands(ctx, formatter)
+        if self.aliases:
+            with formatter.section("Aliases"):
+                formatter.write_dl([(a, f"the same command as {n}") for a, n in sorted(self.aliases.items())])
+
     def add_command(self, cmd, name=None):
         cmd.params.append(click.Option(["-q", "--quiet"], is_flag=True, expose_value=False, callback=_quiet,
                                        help=QUIET_HELP))  # `k3convert demo -q` as `k3convert -q demo`
@@ -26,10 +45,11 @@ class _Main(click.Group):
 
     def resolve_command(self, ctx, args):
         name = click.utils.make_str(args[0]) if args else None
-        self.k3_command = name  # streams.Guard: whether the command is a job
+        self.k3_command = self.aliases.get(name, name) if name else name  # streams.Guard: whether it is a job
         if name is not None and self.get_command(ctx, name) is None and not name.startswith("-"):
-            raise click.UsageError(unknown_command(name, self.list_commands(ctx)), ctx)
-        return super().resolve_command(ctx, args)
+            raise click.UsageError(unknown_command(name, [*self.list_commands(ctx), *self.aliases]), ctx)
+        _, cmd, rest = super().resolve_command(ctx, args)
+        return name, cmd, rest   # usage lines and errors say the name typed
 
     def __call__(self, *args, **kwargs):
         """``main()`` with the process's own arguments is the command line (the ``k3convert`` script,

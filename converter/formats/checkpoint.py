@@ -58,6 +58,18 @@ def load_json(path: str) -> dict:
     return obj
 
 
+def stated(src: str, config: dict, config_path: str, roots: tuple[str, ...] | None = None) -> tuple[dict, str]:
+    """config.json as a conversion reads it, and the file that states its quantization (named in refusals):
+    config.json itself; or, where config.json holds no quantization_config and SRC holds ModelOpt's
+    ``hf_quant_config.json`` (ModelOpt up to 0.27), that file's statement as config.json's top-level
+    quantization_config (``nvfp4.modelopt_statement``; the output's config.json then states int4 there)."""
+    path = os.path.join(src, nvfp4.MODELOPT_FILE)
+    if quant_blocks(config) or not os.path.lexists(path):
+        return config, config_path
+    path = source_file(src, nvfp4.MODELOPT_FILE, roots)
+    return {**config, "quantization_config": nvfp4.modelopt_statement(load_json(path), path)}, path
+
+
 def is_mxfp4(block: dict) -> bool:
     """Whether a quantization_config block describes MXFP4 weights, in any registered dialect."""
     return any(d.claims(block) and d.is_mxfp4(block) for d in DIALECTS.values())

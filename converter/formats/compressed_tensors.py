@@ -23,7 +23,6 @@ from .dialect import (
     int4_targets,
     quant_blocks,
     register,
-    with_blocks,
 )
 from .json_input import ListOf, MapOf, Nullable, type_problems
 from .match import LINEAR, CtRule
@@ -53,7 +52,7 @@ class CompressedTensorsSource(MXFP4Source):
         def make(old: dict) -> dict:
             keep = {k: old[k] for k in ("kv_cache_scheme", "moe_sparsity_config") if old.get(k) is not None}
             return int4_block(*int4_targets(converted, unconverted, old.get("ignore") or []), keep, rule)
-        return with_blocks(config, self.blocks, make)
+        return self.rewrite(config, make)
 
 
 # compressed-tensors versions whose MXFP4 scale bytes are not OCP E8M0 (docs/mxfp4_dialects.md)

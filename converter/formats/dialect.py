@@ -81,8 +81,26 @@ class MXFP4Source:
 
     def int4_config(self, config: dict, converted: list[str], unconverted: list[str],
                     rule: str = DEFAULT_RULE) -> dict:
-        """``config`` with each MXFP4 block replaced by :func:`int4_block` (written with ``rule``)."""
+        """``config`` with each MXFP4 block replaced by :func:`int4_block` (written with ``rule``), through
+        :meth:`rewrite`."""
         raise NotImplementedError
+
+    def packs(self, name: str, dtype: str) -> bool:
+        """Whether a tensor (name, safetensors dtype) is one of the source's packed FP4 tensors: its packed
+        suffix, and U8 where that suffix is a plain ``weight`` (Quark, ModelOpt: a bf16 X.weight is unquantized).
+        The pairing and ``inspect`` count by it."""
+        return name.endswith("." + self.packed_suffix) and (self.packed_suffix != "weight" or dtype == "U8")
+
+    def states(self, block: dict) -> bool:
+        """Whether a quantization_config block states this source's quantization (its dialect claims it)."""
+        return DIALECTS[self.dialect].claims(block)
+
+    def rewrite(self, config: dict, make: Callable[[dict], dict]) -> dict:
+        """``config`` with every statement of the source's quantization replaced by ``make(old)``: the blocks
+        the reader read and any other block that :meth:`states` it, wherever a quantization_config sits (top
+        level, text_config, ...). One left behind would describe DST's int4 tensors as the source's FP4."""
+        paths = list(self.blocks) + [p for p, b in quant_blocks(config) if p not in self.blocks and self.states(b)]
+        return with_blocks(config, paths, make)
 
     def record(self) -> dict[str, Any]:
         """What the manifest and report say about the source's quantization."""

@@ -40,7 +40,6 @@ from .dialect import (
     int4_targets,
     quant_blocks,
     register,
-    with_blocks,
 )
 from .match import match_name
 
@@ -150,7 +149,7 @@ class Fp8Mxfp4Source(MXFP4Source):
             if self.fp8_modules:
                 block["config_groups"]["group_1"] = fp8_block_group(list(self.fp8_modules), list(self.weight_block))
             return block
-        return with_blocks(config, self.blocks, make)
+        return self.rewrite(config, make)
 
 
 def fp8_mxfp4_source(config: dict, config_path: str, drop: bool = False) -> Fp8Mxfp4Source:

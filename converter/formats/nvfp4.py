@@ -37,7 +37,6 @@ from .dialect import (
     int4_targets,
     quant_blocks,
     register,
-    with_blocks,
 )
 from .match import LINEAR, CtRule
 
@@ -112,9 +111,14 @@ class Nvfp4Source(MXFP4Source):
     def selects(self, module: str) -> bool:
         return self.rule(module)
 
+    def states(self, block: dict) -> bool:
+        return is_nvfp4(block)
+
     def problem(self, m: str, packed: Described, scale: Described | None, gs: Described | None) -> str | None:
         """Why module ``m``'s three tensors (dtype and shape, from a header or loaded) are not an NVFP4
-        linear this tool converts, or None. ``packed`` is a U8 ``packed_suffix`` tensor."""
+        linear this tool converts, or None. ``packed`` is a ``packed_suffix`` tensor (``packs``)."""
+        if packed[0] != "U8":
+            return f"expected U8 packed E2M1 codes, got {packed[0]}"
         if scale is None or gs is None:
             return f"packed NVFP4 needs {self.scale_suffix} and {self.global_suffix} beside it"
         if not self.selects(m):
@@ -141,7 +145,7 @@ class Nvfp4Source(MXFP4Source):
             keep = {k: old[k] for k in ("kv_cache_scheme",) if ct and old.get(k) is not None}
             return int4_block(*int4_targets(converted, unconverted, (old.get("ignore") or []) if ct else []), keep,
                               rule)
-        return with_blocks(config, self.blocks, make)
+        return self.rewrite(config, make)
 
     def record(self) -> dict[str, Any]:
         return {"dialect": self.dialect, "layout": self.layout.value, "blocks": [dotted(p) for p in self.blocks],
@@ -202,25 +206,46 @@ def _compressed_tensors(blocks: list, config_path: str, drop: bool) -> Nvfp4Sour
 MODELOPT_FILE = "hf_quant_config.json"
 
 
-def _modelopt(path: tuple[str, ...], block: dict, config_path: str, drop: bool) -> Nvfp4Source:
-    """ModelOpt's config, flat in config.json or as hf_quant_config.json's ``quantization`` object."""
-    where = dotted(path)
-    q: dict = block["quantization"] if isinstance(block.get("quantization"), dict) else block
+def modelopt_statement(obj: Any, path: str) -> dict:
+    """``hf_quant_config.json`` (``path``: ModelOpt up to 0.27 states its quantization only there, as NVIDIA's
+    published FP4 checkpoints do) as the quantization_config block :func:`read` reads: its ``quantization``
+    object under ``quant_method "modelopt"``. A file that cannot mean ModelOpt NVFP4 is refused naming it;
+    ``group_size`` and ``exclude_modules`` are checked by the reader, as in config.json."""
+    q = obj.get("quantization") if isinstance(obj, dict) else None
+    if not isinstance(q, dict):
+        raise BadInput("no 'quantization' object: not ModelOpt's statement of a quantization", file=path)
+    if str(q.get("quant_algo", "")).upper() != "NVFP4":
+        raise BadInput(f"quantization.quant_algo is {json.dumps(q.get('quant_algo'))[:40]}: k3convert reads "
+                       "ModelOpt NVFP4 (group 16) only", file=path)
+    return {"quant_method": "modelopt", **q}
+
+
+def _modelopt(blocks: list, config_path: str, drop: bool) -> Nvfp4Source:
+    """ModelOpt's config, flat in config.json or as hf_quant_config.json's ``quantization`` object; every
+    statement of it (a config may state it at top level and in text_config) checked, their excludes joined."""
     problems: list[str] = []
     dropped: list[dict] = []
-    if str(q.get("quant_algo", "")).upper() != "NVFP4" or q.get("group_size", 16) != 16:
-        problems.append(f"{where}: quant_algo {q.get('quant_algo')!r} group {q.get('group_size')!r}: only ModelOpt "
-                        "NVFP4 (group 16) is read")
-    if q.get("kv_cache_quant_algo"):
-        drop_or_refuse(f"{where}.kv_cache_quant_algo", q["kv_cache_quant_algo"], "the KV cache", drop, dropped,
-                       problems)
-    # NVFP4 quantizes the inputs too (W4A4: X.input_scale); a weight-only output drops them
-    drop_or_refuse(f"{where}.quant_algo", "NVFP4", "input activations (4-bit NVFP4, static per-tensor scale)", drop,
-                   dropped, problems)
+    exclude: list[str] = []
+    for path, block in blocks:
+        where = dotted(path)
+        q: dict = block["quantization"] if isinstance(block.get("quantization"), dict) else block
+        if str(q.get("quant_algo", "")).upper() != "NVFP4" or q.get("group_size", 16) != 16:
+            problems.append(f"{where}: quant_algo {q.get('quant_algo')!r} group {q.get('group_size')!r}: only "
+                            "ModelOpt NVFP4 (group 16) is read")
+        if q.get("kv_cache_quant_algo"):
+            drop_or_refuse(f"{where}.kv_cache_quant_algo", q["kv_cache_quant_algo"], "the KV cache", drop, dropped,
+                           problems)
+        # NVFP4 quantizes the inputs too (W4A4: X.input_scale); a weight-only output drops them
+        drop_or_refuse(f"{where}.quant_algo", "NVFP4", "input activations (4-bit NVFP4, static per-tensor scale)",
+                       drop, dropped, problems)
+        patterns = q.get("exclude_modules") or q.get("ignore") or []
+        if not isinstance(patterns, list) or not all(isinstance(x, str) for x in patterns):
+            problems.append(f"{where}.exclude_modules is {json.dumps(patterns)[:80]}: expected a list of names")
+            continue
+        exclude += [x for x in patterns if x not in exclude]
     if problems:
         raise BadInput("; ".join(problems), file=config_path)
-    exclude = tuple(q.get("exclude_modules") or q.get("ignore") or ())
-    return _source(Layout.MODELOPT, (path,), "weight", "weight_scale_2", False,
+    return _source(Layout.MODELOPT, tuple(p for p, _ in blocks), "weight", "weight_scale_2", False,
                    lambda m: not any(fnmatch.fnmatchcase(m, p) for p in exclude),
                    tuple(dropped), (".input_scale", ".k_scale", ".v_scale") if dropped else ())
 
@@ -253,7 +278,7 @@ def read(config: dict, config_path: str, drop: bool = False) -> Nvfp4Source:
     if method == "compressed-tensors":
         return _compressed_tensors(blocks, config_path, drop)
     if method == "modelopt":
-        return _modelopt(*blocks[0], config_path, drop)
+        return _modelopt(blocks, config_path, drop)
     ar: AutoRoundSource = auto_round_source(config, config_path, drop, kind="NVFP4")
     return _source(Layout.AUTO_ROUND, ar.blocks, "weight_packed", "weight_global_scale", True, ar.selects,
                    ar.dropped, (".input_global_scale",) if ar.dropped else ())
@@ -264,4 +289,5 @@ def read(config: dict, config_path: str, drop: bool = False) -> Nvfp4Source:
 register(Dialect(DIALECT, lambda _b: False, lambda _b: False, read))
 
 
-__all__ = ["DIALECT", "DROP_FLAG", "Layout", "Nvfp4Source", "is_nvfp4", "nvfp4_format", "read"]
+__all__ = ["DIALECT", "DROP_FLAG", "MODELOPT_FILE", "Layout", "Nvfp4Source", "is_nvfp4", "modelopt_statement",
+           "nvfp4_format", "read"]

@@ -26,7 +26,6 @@ from .dialect import (
     int4_targets,
     quant_blocks,
     register,
-    with_blocks,
 )
 from .json_input import ListOf, MapOf, Nullable, type_problems
 
@@ -74,7 +73,7 @@ class QuarkSource(MXFP4Source):
         """The Quark block replaced by compressed-tensors int4 whose targets and ignore select
         exactly the converted modules, under the checkpoint's names and vLLM's (``int4_targets``)."""
         block = int4_block(*int4_targets(converted, unconverted), rule=rule)
-        return with_blocks(config, self.blocks, lambda _old: copy.deepcopy(block))
+        return self.rewrite(config, lambda _old: copy.deepcopy(block))
 
 
 def _layer_configs(block: dict) -> list[tuple[str, dict]]:

@@ -44,6 +44,7 @@ _WHO = "created_by"  # which run recorded the identity: named when another is re
 
 
 HINTS = "hints"      # per source shard, what tells that it may have been written since (sources.hint)
+STATEMENT = "quantization_statement"   # the file that states the quantization, where not config.json
 
 
 def run_identity(plan: Plan, options: Options) -> dict[str, Any]:
@@ -51,6 +52,7 @@ def run_identity(plan: Plan, options: Options) -> dict[str, Any]:
         "tool": "k3convert", "options": options.identity(), "source": plan.src,
         "profile": plan.profile.name, "quantization": plan.source.record(),
         "config": config_identity(os.path.join(plan.src, "config.json")),
+        **({STATEMENT: config_identity(plan.stated_in)} if plan.stated_in else {}),   # ModelOpt <= 0.27
         "shards": {s.name: shard_identity(s.path) for s in plan.shards},
     }
 
@@ -76,6 +78,8 @@ def identity_difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> str |
             return f"other options: {flag} {o.get(key)!r} (recorded) vs {n.get(key)!r}"
     if old.get("config") != new.get("config"):
         return "source files changed: config.json"
+    if old.get(STATEMENT) != new.get(STATEMENT):
+        return "source files changed: the file that states the quantization (hf_quant_config.json)"
     os_, ns = old.get("shards") or {}, new.get("shards") or {}
     for name in sorted(set(os_) | set(ns)):
         if os_.get(name) != ns.get(name):

@@ -40,6 +40,11 @@ class MXFP4Module:
         return sum(t.nbytes for t in self.tensors)
 
     @property
+    def split(self) -> bool:
+        """Whether a tensor it consumes sits in another shard than its packed one (read from there)."""
+        return any(t.path != self.packed.path for t in self.tensors)
+
+    @property
     def layer(self) -> int | None:
         m = _LAYER.search(self.module)
         return int(m.group(1)) if m else None
@@ -66,7 +71,7 @@ class Convert(MXFP4Module):
 class Nvfp4Convert(Convert):
     """An NVFP4 linear requantized to the same int4 outputs (docs/nvfp4.md): its packed E2M1 bytes,
     E4M3 block scales and FP32 global scale, which is consumed (folded into the bf16 scales), not copied.
-    Its global scale sits in the shard of its packed or its block-scale tensor (``_nvfp4``)."""
+    Each of the three may sit in any shard (``pairing.pair_nvfp4``)."""
 
     global_scale: TensorInfo
     divide: bool            # value = code * block scale / global (compressed-tensors), else * global (ModelOpt)

@@ -3,8 +3,6 @@ one's three, found in any shard; what is left without its partner, or would clas
 writes, is a problem named by file and tensor."""
 from __future__ import annotations
 
-import os
-
 from ..formats import checkpoint as ckpt
 from ..formats.checkpoint import PACKED, SCALE, SHAPE
 from ..formats.nvfp4 import Nvfp4Source
@@ -20,10 +18,9 @@ def pair_mxfp4(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problem
     """Every MXFP4 module of the checkpoint, its packed and scale tensors found in any shard
     (``unread``: tensors of shards already reported missing or broken, not reported again)."""
     suffix = "." + source.packed_suffix
-    quark = source.packed_suffix == "weight"   # Quark, MiMo's fp8 config: a float X.weight is not MXFP4
     converts: dict[str, Convert] = {}
     for name, t in tensors.items():
-        if not name.endswith(suffix) or (quark and t.dtype != "U8"):  # Quark: a bf16 X.weight is unquantized
+        if not source.packs(name, t.dtype):  # Quark, MiMo's fp8 config: a bf16 X.weight is unquantized
             continue
         module = name[: -len(suffix)]
         scale = tensors.get(f"{module}.{source.scale_suffix}")
@@ -61,15 +58,17 @@ def pair_mxfp4(tensors: dict[str, TensorInfo], source: ckpt.MXFP4Source, problem
 
 def pair_nvfp4(tensors: dict[str, TensorInfo], source: Nvfp4Source, problems: list[str], unread: set[str]
            ) -> dict[str, Convert]:
-    """Every NVFP4 module of the checkpoint, its three tensors found in any shard (``Nvfp4Source.problem``
-    checks them from the headers; their values are checked as each module is read, in ``run.shard``)."""
+    """Every NVFP4 module of the checkpoint, its three tensors found in any shard, each apart from the others
+    (transformers' ``save_pretrained`` writes a module's global scale first, so a shard cut leaves it alone at
+    the end of the previous shard: docs/nvfp4.md). ``Nvfp4Source.problem`` checks them from the headers;
+    their values are checked as each module is read, tensor by tensor, in ``run.shard``."""
     def described(t: TensorInfo | None) -> tuple[str, tuple[int, ...]] | None:
         return None if t is None else (t.dtype, tuple(t.shape))
 
     suffix = "." + source.packed_suffix
     converts: dict[str, Convert] = {}
     for name, t in tensors.items():
-        if not name.endswith(suffix) or t.dtype != "U8":   # ModelOpt: a bf16 X.weight is unquantized
+        if not source.packs(name, t.dtype):   # ModelOpt: a bf16 X.weight is unquantized
             continue
         m = name[: -len(suffix)]
         scale, gs = tensors.get(f"{m}.{source.scale_suffix}"), tensors.get(f"{m}.{source.global_suffix}")
@@ -77,9 +76,6 @@ def pair_nvfp4(tensors: dict[str, TensorInfo], source: Nvfp4Source, problems: li
                                                                           in unread):
             continue
         why = source.problem(m, (t.dtype, tuple(t.shape)), described(scale), described(gs))
-        if why is None and gs is not None and scale is not None and gs.path not in (t.path, scale.path):
-            why = (f"its {source.global_suffix} sits in a third shard ({os.path.basename(gs.path)}): not read; "
-                   "put it beside its weight or block scale")
         if why:
             problems.append(f"file {t.path}, tensor {name}: {why}")
         elif scale is not None and gs is not None:

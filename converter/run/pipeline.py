@@ -124,7 +124,7 @@ def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
         "tensors_to_convert": sum(len(s.converts) for s in todo),
         "modules_to_bf16": sum(len(s.dequants) for s in todo),
         "tensors_copied": sum(len(s.items) - len(s.pairs) for s in todo),
-        "modules_split_across_shards": sum(c.scale.path != c.packed.path for s in todo for c in s.pairs),
+        "modules_split_across_shards": sum(c.split for s in todo for c in s.pairs),
         "also_reads": {s.name: s.partners for s in todo if s.partners},
         "dropped": [d["where"] for d in plan.source.dropped] + plan.dropped,
         "bytes_in": sum(s.bytes_in for s in todo), "bytes_out": sum(s.bytes_out for s in todo),

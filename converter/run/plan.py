@@ -3,10 +3,10 @@
 Everything that can be checked without reading tensor data is checked here, and all
 problems are reported together, before any shard is converted.
 
-Writers shard by size, not by module, so a module's packed and scale tensors may sit in
-different shards, in either order. Pairs are made over the whole checkpoint; a converted
-module's three output tensors go to the shard that holds its packed tensor (the large one),
-which reads the scale from the other shard by offset (docs/decisions.md).
+Writers shard by size, not by module, so a module's tensors (packed, scale, an NVFP4 global
+scale) may sit in different shards, in any order. They are found over the whole checkpoint; a
+converted module's three output tensors go to the shard that holds its packed tensor (the large
+one), which reads the others from their shards by offset, tensor by tensor (docs/decisions.md).
 """
 from __future__ import annotations
 
@@ -103,6 +103,7 @@ class Plan:
     shards: list[ShardPlan]
     other_files: list[str]         # copied byte-identical (tokenizer, chat template, *.py, ...)
     dropped: list[str] = field(default_factory=list)  # tensors left out by --drop-activation-quant
+    stated_in: str | None = None   # the file that states the quantization where not config.json (ckpt.stated)
 
     @property
     def bytes_in(self) -> int:
@@ -128,8 +129,8 @@ class Plan:
 
     @property
     def straddled(self) -> int:
-        """MXFP4 modules whose two tensors sit in different shards."""
-        return sum(c.scale.path != c.packed.path for s in self.shards for c in s.pairs)
+        """Modules whose tensors sit in more than one shard."""
+        return sum(c.split for s in self.shards for c in s.pairs)
 
     def weight_map(self) -> dict[str, str]:
         return {t.name: s.name for s in self.shards for t in s.layout.tensors}
@@ -339,8 +340,9 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     roots = source_roots(src)
     config_path = source_file(src, "config.json", roots)
     config = ckpt.load_json(config_path)  # a FIFO is refused, never waited on (json_input.load_file)
-    prof, why = profiles.choose(config, ckpt.dialect(config, config_path), profile, config_path)
-    source = ckpt.mxfp4_source(config, config_path, drop_activation_quant, prof.source)
+    config, stated_in = ckpt.stated(src, config, config_path, roots)
+    prof, why = profiles.choose(config, ckpt.dialect(config, stated_in), profile, config_path)
+    source = ckpt.mxfp4_source(config, stated_in, drop_activation_quant, prof.source)
     act = ckpt.activation(config, config_path, prof.required_activation, prof.optional_activation)
     wm = ckpt.weight_map(src)
     problems: list[str] = []
@@ -413,4 +415,5 @@ def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool
     if problems:
         raise BadInput(f"{len(problems)} problem(s) in {src}:\n  " + "\n  ".join(problems)
                        if len(problems) > 1 else problems[0])
-    return Plan(src, config, source, prof, why, act, shards, others, dropped)
+    return Plan(src, config, source, prof, why, act, shards, others, dropped,
+                None if stated_in == config_path else stated_in)
