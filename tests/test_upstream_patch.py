@@ -13,7 +13,7 @@
     (platform mocked), the ROCm kernel test skips.
 
 Sources (never copied into the repo; skipped when absent, failed under K3CONVERT_REQUIRE_VLLM=1):
-  K3CONVERT_VLLM034_SRC     the `vllm/` files of the vllm 0.34.0 wheel (scripts/fetch_server_sources.sh)
+  K3CONVERT_VLLM034_SRC     the `vllm/` files of the vllm 0.34.0 wheel (scripts/tools/fetch_server_sources.sh)
   K3CONVERT_AITER_SRC       amd-aiter 0.1.7.post2.dev18's `aiter/` (its ops/shuffle.py: shuffle_weight)
   K3CONVERT_VLLM034_PYTHON  the python of a venv with the vllm 0.34.0 wheel installed (.ci/run)
 """
