@@ -1,4 +1,4 @@
-"""Run in a venv holding a released vLLM wheel (vllm 0.34.0; CUDA build over torch's CPU build):
+"""Run in a venv holding a released vLLM wheel (vllm 0.34.0 or 0.33.0: the CUDA build over torch's CPU build):
 the plugin inside THAT release's own code, from k3convert's output, on a simulated ROCm MI300X.
 
     python k3_vllm_release.py OUT.json K3_DST K31_DST
@@ -359,6 +359,8 @@ def model(dst: str, root: str, first: bool, cases: dict) -> dict:
         vllm_config = engine_config(dst, root)
     except route.Refused as exc:
         return {"config_refused": str(exc)}
+    except Exception as exc:       # a release that cannot read this config (0.33.0 and kimi_k31)
+        return {"config_error": f"{type(exc).__name__}: {exc}"[:600]}
     mc = vllm_config.model_config
     result: dict = {"quantization": mc.quantization, "quant_config": type(vllm_config.quant_config).__name__,
                     "architectures": list(mc.architectures), "model_type": mc.hf_config.model_type}
