@@ -34,7 +34,6 @@ import importlib.util
 import json
 import os
 import sys
-import traceback
 import types
 from pathlib import Path
 
@@ -42,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]      # tests/ (aiter_sim, server_sources), this folder
 
 import aiter_sim  # noqa: E402
+import k3_plugin_e2e as e2e  # noqa: E402 - the 0.32/0.33 harness: its reference MoE and findings
 import server_sources  # noqa: E402
 import torch  # noqa: E402
 
@@ -186,16 +186,22 @@ def wrong_layout(kind: str):
 
 # --------------------------------------------------------------------- the harness
 
-def tensors_of(dst: str, want) -> list[tuple[str, torch.Tensor]]:
-    """Every shard's tensors whose name ``want`` takes, in file order (the index's shards)."""
+def fed_to_vllm(name: str) -> bool:
+    """The MoE blocks' tensors (and K3.1's DSA indexer): the fixture's others are stand-ins shaped for
+    the converter, not for vLLM's MLA/KDA modules."""
+    return MOE in name or INDEXER in name
+
+
+def tensors_of(dst: str) -> tuple[list[tuple[str, torch.Tensor]], int]:
+    """Every shard's tensors that ``fed_to_vllm`` takes, in file order, and how many it leaves."""
     from safetensors import safe_open
 
-    index = json.loads(Path(dst, "model.safetensors.index.json").read_text())
+    index = json.loads(Path(dst, "model.safetensors.index.json").read_text())["weight_map"]
     out = []
-    for shard in sorted(set(index["weight_map"].values())):
+    for shard in sorted(set(index.values())):
         with safe_open(str(Path(dst, shard)), "pt") as f:
-            out += [(k, f.get_tensor(k)) for k in f.keys() if want(k)]
-    return out
+            out += [(k, f.get_tensor(k)) for k in f.keys() if fed_to_vllm(k)]
+    return out, len(index) - len(out)
 
 
 def set_rank(tp: int, rank: int, ep: bool, vllm_config) -> None:
@@ -206,31 +212,6 @@ def set_rank(tp: int, rank: int, ep: bool, vllm_config) -> None:
     ps._TP.world_size, ps._TP.rank_in_group = tp, rank
     vllm_config.parallel_config.tensor_parallel_size = tp
     vllm_config.parallel_config.enable_expert_parallel = ep
-
-
-def ct_weight(tensors: dict, base: str) -> torch.Tensor:
-    """compressed-tensors' own decoding of one expert matrix: float32 q * scale, [out, in]."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
-    shape = torch.Size(tensors[f"{base}.weight_shape"].tolist())
-    q = unpack_from_int32(tensors[f"{base}.weight_packed"], 4, shape).float()
-    return q * tensors[f"{base}.weight_scale"].float().repeat_interleave(32, dim=1)
-
-
-def reference(tensors: dict, prefix: str, x, topk_weights, topk_ids, local: set[int], lo: int, hi: int,
-              beta: float, linear_beta: float) -> torch.Tensor:
-    """This rank's share of the MoE (its channels lo:hi, its experts), SiTU-GLU in float32."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
-    for t in range(x.shape[0]):
-        for slot in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, slot])
-            if e not in local:
-                continue
-            w1, w3, w2 = (ct_weight(tensors, f"{prefix}.experts.{e}.{p}") for p in ("w1", "w3", "w2"))
-            g, u = x[t].float() @ w1[lo:hi].T, x[t].float() @ w3[lo:hi].T
-            a = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
-            out[t] += topk_weights[t, slot] * (a @ w2[:, lo:hi].T)
-    return out
 
 
 def run_case(vllm_config, model_cls, dst: str, tp: int, rank: int, ep: bool, wrong: str = "",
@@ -267,9 +248,8 @@ def run_case(vllm_config, model_cls, dst: str, tp: int, rank: int, ep: bool, wro
         out.update(tp_size=par.tp_size, tp_rank=par.tp_rank, ep_size=par.ep_size, ep_rank=par.ep_rank,
                    local_experts=int(first.w13_weight_packed.shape[0]),
                    per_rank=int(first.w13_weight_packed.shape[1] // 2))
-        fed = tensors_of(dst, lambda k: MOE in k or INDEXER in k)
+        fed, out["not_fed"] = tensors_of(dst)
         out["fed"] = len(fed)
-        out["not_fed"] = len(tensors_of(dst, lambda k: not (MOE in k or INDEXER in k)))
         loads = []
         for layer in experts.values():          # count RoutedExperts.weight_loader calls
             for p in (layer.w13_weight_packed, layer.w2_weight_packed, layer.w13_weight_scale,
@@ -292,7 +272,8 @@ def run_case(vllm_config, model_cls, dst: str, tp: int, rank: int, ep: bool, wro
         out["kernel"] = type(first.quant_method.moe_kernel).__name__
         out["experts_class"] = type(first.quant_method.moe_kernel.fused_experts).__name__
         out["selftest_calls"] = len(CALLS)
-        name, layer = next(iter(experts.items()))
+        name = f"{e2e.PREFIX}.experts.routed_experts"      # layer 1, the checkpoint's name for it
+        layer = experts[name]
         out["layer"] = name
         cfg = vllm_config.model_config.hf_text_config
         gen = torch.Generator().manual_seed(tp * 100 + rank)
@@ -308,12 +289,10 @@ def run_case(vllm_config, model_cls, dst: str, tp: int, rank: int, ep: bool, wro
         # an AITER kernel gets the 0/1 expert mask (consumes_expert_mask), others the local-id map
         mask = bool(vals) and min(vals) >= 0
         local = set(range(e)) if emap is None else {g for g, v in enumerate(vals) if (v > 0 if mask else v >= 0)}
-        per = cfg.moe_intermediate_size // (1 if ep else tp)
-        lo = 0 if ep else per * rank
-        ckpt_prefix = name.split(".experts")[0]     # the checkpoint's names: language_model.model.layers.N...
-        ref = dict(tensors_of(dst, lambda n: n.startswith(ckpt_prefix + ".experts.")))
-        want = reference(ref, ckpt_prefix, x, topk_weights, topk_ids, local, lo, lo + per,
-                         cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        # under EP the experts are whole (vLLM folds TP into EP): this rank's share is its experts
+        want = e2e.reference(e2e.expert_tensors(dst), x, topk_weights, topk_ids, local,
+                             cfg.moe_intermediate_size, 1 if ep else tp, 0 if ep else rank,
+                             cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
         hit = want.norm(dim=1) > 0
         out["local"] = sorted(local)
         out["tokens_compared"] = int(hit.sum())
@@ -321,9 +300,8 @@ def run_case(vllm_config, model_cls, dst: str, tp: int, rank: int, ep: bool, wro
         out["remote_rows_zero"] = bool((got[~hit] == 0).all())
     except route.Refused as exc:
         out["refused"] = str(exc)
-    except Exception as exc:   # a finding, not a crash of the harness
-        out["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        out["trace"] = traceback.format_exc()[-3000:]
+    except Exception as exc:
+        out.update(e2e.finding(exc))
     finally:
         moe_method.layout = sys.modules["converter.vllm_plugin.layout"]
         assert moe_method.layout.convert_experts_ is correct
@@ -419,8 +397,7 @@ def main() -> int:
         try:
             result[name] = model(dst, root, name == "k3", cases)
         except Exception as exc:
-            result[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0],
-                            "trace": traceback.format_exc()[-3000:]}
+            result[name] = e2e.finding(exc)
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     return 0
