@@ -344,6 +344,11 @@ def case(vllm_config, helpers, tensors, tp: int, rank: int, fault: str = "", neu
     return {**out, "rel_error": err, "real": route.real_channels(cfg.moe_intermediate_size, tp, rank)}
 
 
+def finding(exc: BaseException) -> dict:
+    """An exception of the code under test, recorded as a finding, not a crash of the harness."""
+    return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0], "trace": traceback.format_exc()[-3000:]}
+
+
 def main() -> int:
     out_path, dst = sys.argv[1], sys.argv[2]
     from vllm.plugins import load_general_plugins
@@ -389,9 +394,8 @@ def main() -> int:
     for name, kw in cases.items():
         try:
             result[name] = case(vllm_config, helpers, tensors, **kw)
-        except Exception as exc:   # a finding, not a crash of the harness
-            result[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0],
-                            "trace": traceback.format_exc()[-3000:]}
+        except Exception as exc:
+            result[name] = finding(exc)
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     return 0
