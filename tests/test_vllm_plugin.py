@@ -44,7 +44,7 @@ def source(env: str, rel: str) -> Path:
 
 
 def aiter_shuffle() -> types.ModuleType:
-    """amd-aiter's own aiter/ops/shuffle.py (it imports only torch)."""
+    """aiter's own layout functions from aiter/ops/shuffle.py (server_sources.aiter_shuffle)."""
     return server_sources.aiter_shuffle(source("K3CONVERT_AITER_SRC", "ops/shuffle.py"))
 
 
