@@ -195,7 +195,7 @@ def test_k31_card_passes_only_where_a_release_builds_it(tmp_path):
     newest, oldest = VLLM[-1].version, VLLM[0].version
     assert {(s, v) for s, _, vs in recommended for v in vs} == {("vllm-cuda", newest)}
     plugin = {v: why for s, _, vs, why in refused if s == "vllm-rocm-plugin" for v in vs}
-    assert "no DSA" in plugin[newest] and "builds no model of model_type 'kimi_k31'" in plugin[oldest]
+    assert "cannot load Kimi K3.1's DSA indexer" in plugin[newest] and "builds no model of model_type 'kimi_k31'" in plugin[oldest]
 
 
 def test_a_tokenizer_in_repository_code_asks_for_trust_remote_code(k3_dst, tmp_path):

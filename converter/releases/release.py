@@ -34,7 +34,8 @@ class Facts:
     kimi_padding_crashes: bool = False         # KimiMoE crashes zeroing a padded per-rank intermediate
     gemm1_module: str = ""                     # the aiter module its gfx942 K3 route imports gemm1 from
     align: int = 128                           # its route rounds K3 SiTU sizes up to this
-    rocm_kimi_dsa: bool = False                # its ROCm Kimi classes load K3.1's DSA indexer
+    kimi_dsa: bool = False                     # its Kimi classes (CUDA: nvidia/) load K3.1's DSA indexer
+    rocm_kimi_dsa: bool = False                # its ROCm Kimi classes (amd/) load K3.1's DSA indexer
     aiter_pin: str = ""                        # the aiter its ROCm image builds (docs/deploy.md)
     moe_activations: Mapping[str, MoeActivation] = field(default_factory=dict)   # by model_type
 

@@ -68,6 +68,12 @@ CITES = {
     "oracle.triton": "fused_moe/oracle/int_wna16.py 126-143; experts/triton_moe.py 681-693",
     "situ.beta": "vLLM's SiTU asserts it (fused_moe/activation.py 361-370)",
     "kimi.padding": "$V models/kimi_k3/amd/linear.py 227-236 and 349-357, nvidia/model.py 419-428 and 571-584",
+    # Kimi K3.1's DSA (converter/formats/kimi_dsa.py)
+    "kimi.dsa-none": "$V has no DSA: no file reads dsa_config, no indexer module under models/kimi_k3/; "
+                     "load_weights has no parameter for an indexer tensor: KeyError (amd/linear.py 1068, "
+                     "nvidia/model.py 1393)",
+    "kimi.dsa-config": "$V reads no dsa_config (no file names it): indexer tensors have no parameter "
+                       "(KeyError at amd/linear.py 1068, nvidia/model.py 1393)",
     "cuda.padding-garbage": "its zeroing looks the int4 words up on the MoE runner, finds none and zeroes nothing, "
                             "so the padded words stay as torch.empty left them (compressed_tensors_moe_wna16.py "
                             "183-207) with scales of 1 (282, 298), and Marlin computes every padded channel "

@@ -108,6 +108,12 @@ CITES = {
     "kimi.dsa-rocm": "$V models/kimi_k3/__init__.py 26-29 builds amd/ on ROCm, which reads no dsa_config (DSA is "
                      "nvidia/dsa.py, nvidia/model.py 1028-1079 only); amd/linear.py load_weights (943-1081) has no "
                      "parameter for the indexer tensors: KeyError at 1073 on the first one",
+    "kimi.dsa-config": "$V transformers_utils/configs/kimi_linear.py 15-57 (KimiLinearDSAConfig.from_dict: "
+                       "dsa_layers required, else TypeError), 177-189 (text_config.dsa_config only), 231-235 "
+                       "(is_dsa_layer: 1-based layer numbers); models/kimi_k3/nvidia/dsa.py 8-11 (each DSA "
+                       "layer's self_attn.indexer.{wq_b, wk, weights_proj, k_norm}); an indexer parameter the "
+                       "checkpoint does not fill stays torch.empty: the unloaded-weights check runs only "
+                       "without quantization (model_loader/default_loader.py 547-551, 608-613)",
 }
 
 _MINIMAX = MoeActivation("swigluoai_uninterleave", {"swiglu_alpha": 1.702, "swiglu_limit": 7.0},
@@ -120,6 +126,7 @@ RELEASE = Release(
     Facts(kimi_model_types=("kimi_k3", "kimi_k31"),
           kimi_mtp_types=("kimi_k3_mtp",),               # config/speculative.py 883-890 (K3.1's draft keeps kimi_k31)
           kimi_padding_crashes=True,                     # linear.py 354-362: the same code as 0.33.0's
+          kimi_dsa=True,                                 # models/kimi_k3/nvidia/dsa.py, model.py 1028-1079
           gemm1_module="aiter.ops.flydsl.kernels.moe_2stage_a16wmix",   # quantization/mxfp4.py 987-989
           align=128,                                     # fused_moe/oracle/mxfp4.py 886-892
           aiter_pin="v0.1.28.post1",                     # docker/Dockerfile.rocm_base 13 at the release commit

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 from ..checks import Check
+from ..formats import kimi_dsa
 from ..formats.safetensors_io import TensorInfo
 from ..releases import Family
 from . import fp8_tp, headers, sglang, vllm
@@ -38,13 +39,15 @@ def context(config: dict | None, tensors: Mapping[str, TensorInfo], request: Ser
                          *(("names", p) for p in headers.lookup_problems(config, sizes, server.family))]:
         fixed[rid].append((problem, ""))
     fp8, block = headers.fp8_linears(config, tensors)
+    indexer = kimi_dsa.indexer_names(config, tensors)
     if server.family is Family.VLLM:
-        fixed["loader"] += vllm.model_problems(config, tensors, server)
+        fixed["loader"] += vllm.model_problems(config, indexer, server)
         fixed["loader"] += fp8_tp.fused_refusals(config, fp8, (
             n[: -len(".weight")] for n in tensors if n.endswith(".weight")), server.release)
     gpus = request.gpus()   # the other weights' bytes (a pass over every header) only where they are compared
     return Context(config, mats, sizes, experts_of(mats, sizes, config), fixed, server, fp8, block,
-                   rest=rest_bytes(tensors, mats) if gpus else 0, gpus=gpus, utilization=request.utilization)
+                   rest=rest_bytes(tensors, mats) if gpus else 0, gpus=gpus, utilization=request.utilization,
+                   indexer=indexer)
 
 
 def _split_problems(ctx: Context, topo: Topology) -> list[Problem]:

@@ -23,6 +23,7 @@ class Context:
     rest: int = 0                                                    # bytes of every weight but the experts
     gpus: dict[str, int] = field(default_factory=dict)               # the GPUs the memory rule checks
     utilization: float = 0.9
+    indexer: tuple[str, ...] = ()                                    # Kimi K3.1's DSA indexer tensors
 
 
 def activation(config: dict | None) -> dict[str, Any]:
