@@ -179,7 +179,7 @@ EMULATION = "emulation"
 OFF = "VLLM_PLUGINS= (empty) turns the plugin off"
 
 
-def experts_choice(lora_config: Any, moe_backend: Any, elastic_ep: bool) -> str | None:
+def experts_choice(lora_config: Any, moe_backend: Any, elastic_ep: bool, eplb: bool = False) -> str | None:
     """Who serves the routed experts: None (the plugin), or why vLLM's own method must; raises Refused.
 
     vLLM's CompressedTensorsMoEMethod.get_moe_method (docs/vllm_plugin.md) uses its
@@ -187,8 +187,14 @@ def experts_choice(lora_config: Any, moe_backend: Any, elastic_ep: bool) -> str 
     Any other explicit backend would be ignored by the plugin's kernel or, served by vLLM, compute
     SiLU (flydsl) or refuse SiTU (triton): refused. Elastic EP rebuilds the method as vLLM's
     FusedMoEModularMethod, which reads `layer.w13_weight` (fused_moe_modular_method.py:112, absent
-    from the int4 layout): refused.
+    from the int4 layout): refused. So is EPLB (--enable-eplb), whatever serves the experts: vLLM's own
+    int4 methods take it only on TRITON, which has no SiTU, and the plugin's layout was never run with its
+    redundant experts or its rearrangement (docs/vllm_plugin.md).
     """
+    if eplb:
+        raise Refused("--enable-eplb: expert load balancing (redundant experts, experts moved between ranks "
+                      "while serving) was never run on the packed-int4 layout, and vLLM's own int4 MoE methods "
+                      "take it only with TRITON, which computes no SiTU; serve without --enable-eplb")
     backend = str(getattr(moe_backend, "value", moe_backend) or "auto").lower()
     if lora_config is not None:
         return "LoRA is enabled (the packed-int4 kernel has no LoRA path)"

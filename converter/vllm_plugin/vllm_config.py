@@ -96,8 +96,10 @@ class K3Int4Gfx942Config(CompressedTensorsConfig):
             weights = self._int4_expert_weights(layer, prefix)
             if weights is None:
                 return super().get_quant_method(layer, prefix)
+            parallel = getattr(cfg, "parallel_config", None)
             why = route.experts_choice(cfg.lora_config, getattr(cfg.kernel_config, "moe_backend", None),
-                                       bool(getattr(getattr(cfg, "parallel_config", None), "enable_elastic_ep", False)))
+                                       bool(getattr(parallel, "enable_elastic_ep", False)),
+                                       eplb=bool(getattr(parallel, "enable_eplb", False)))
             if why is not None:
                 logger.warning_once(f"{route.PREFIX} {why}: vLLM's own compressed-tensors MoE method "
                                     "serves the experts")
