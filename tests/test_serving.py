@@ -1014,3 +1014,17 @@ def test_verify_cli_gives_each_releases_verdict_on_k3_headers(servable, k3_full_
     assert "MI325X 256 GiB x 1: 79.7 GB left for the KV cache" in lines["0.34"], lines["0.34"]
     assert "vLLM 0.33.0's default 0.92" in lines["0.33"] and "vLLM 0.34.0's default: 1 with" in lines["0.34"]
     print("\n".join(f"vLLM {v}: {x}" for v, x in lines.items()))
+
+
+def test_verbose_names_where_the_memory_figures_come_from(servable):
+    """--verbose cites the release's utilization rule and each kind of weight it keeps whole (the router,
+    the latent projections, the norms of the fixture), from that release's module."""
+    for vllm, cite in (("0.33", "vllm 0.33.0 config/cache.py 215"), ("0.34", "vllm 0.34.0 config/cache.py 186")):
+        r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm-plugin", "--vllm-version", vllm,
+                    "--verbose")
+        assert f"memory: gpu_memory_utilization {cite}" in r.output, r.output
+        assert "memory: kept whole on every TP rank, " + cite.split(" config")[0] + " models/kimi_k3/amd/linear.py 245" \
+            in r.output, r.output
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm-plugin", "--verbose",
+                "--gpu-memory-utilization", "0.8")
+    assert "memory: gpu_memory_utilization vllm" not in r.output and "--gpu-memory-utilization 0.8" in r.output

@@ -173,6 +173,11 @@ def serving_check(config: dict | None, tensors: Mapping[str, TensorInfo], reques
         c.notes.append(f"server: {server.release_text}, {server.target.target}")
         if is_vllm:
             c.notes += [f"split: {server.release.cite('split.' + k)}" for k in SPLITS]
+            util = server.release.facts.utilization
+            if ctx.gpus and util is not None and request.utilization is None:
+                c.notes.append(f"memory: gpu_memory_utilization {server.release.cite(util.cite)}")
+            c.notes += [f"memory: kept whole on every TP rank, {server.release.cite(row.cite)}"
+                        for row, _ in ctx.rest.whole]
         for r in results:
             if not r.ok:
                 c.notes += [f"rule {r.rule}: {r.detail}" * bool(r.detail), f"rule {r.rule} is enforced by "

@@ -194,5 +194,5 @@ def model_problems(config: dict | None, tensors: Iterable[str], server: Server) 
     if why := unbuilt(release, cfg.get("model_type")):
         return [(f"{release.name} {why}", "transformers_utils/config.py, model_executor/models/registry.py of "
                  "that release")]
-    found = kimi_dsa.problem(cfg, tensors, release, rocm=server.target.target.startswith("ROCm"))
+    found = kimi_dsa.problem(cfg, tensors, release, rocm=server.target.platform == "ROCm")
     return [(found[0], release.cite(found[1]))] if found else []
