@@ -6,7 +6,6 @@ expected bytes of every layout test come from these, not from the plugin.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import types
 from pathlib import Path
 
@@ -43,11 +42,27 @@ def functions(path: Path, names: set[str], namespace: dict, cls: str | None = No
     return namespace
 
 
+# the layout functions the tests take from aiter/ops/shuffle.py; the first is in every release, the
+# other two only in ROCm builds (PyPI's amd-aiter 0.1.7.post2.dev18 has neither)
+AITER_LAYOUT = ("shuffle_weight", "pack_int8_to_packed_int4", "shuffle_scale_for_int4")
+
+
 def aiter_shuffle(path: Path) -> types.ModuleType:
-    """amd-aiter's own aiter/ops/shuffle.py (it imports only torch)."""
-    spec = importlib.util.spec_from_file_location("aiter_pypi_shuffle", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    """aiter's own aiter/ops/shuffle.py, whichever release: only its torch imports and the layout
+    functions (``AITER_LAYOUT``, those it has) are run. Importing the file whole would run its other
+    imports: from v0.1.20 on it imports ``aiter.jit`` (line 7), which needs a ROCm build of aiter."""
+    tree = ast.parse(Path(path).read_text(), str(path))
+
+    def torch_import(n: ast.stmt) -> bool:
+        if isinstance(n, ast.Import):
+            return all(a.name.split(".")[0] == "torch" for a in n.names)
+        return isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "torch"
+    body = [n for n in tree.body if torch_import(n)
+            or isinstance(n, ast.FunctionDef) and n.name in AITER_LAYOUT]
+    assert AITER_LAYOUT[0] in {n.name for n in body if isinstance(n, ast.FunctionDef)}, f"{path} has no shuffle_weight"
+    mod = types.ModuleType("aiter_shuffle_layout")
+    mod.__file__ = str(path)
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), mod.__dict__)
     return mod
 
 

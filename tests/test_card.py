@@ -195,7 +195,7 @@ def test_k31_card_passes_only_where_a_release_builds_it(tmp_path):
     newest, oldest = VLLM[-1].version, VLLM[0].version
     assert {(s, v) for s, _, vs in recommended for v in vs} == {("vllm-cuda", newest)}
     plugin = {v: why for s, _, vs, why in refused if s == "vllm-rocm-plugin" for v in vs}
-    assert "no DSA" in plugin[newest] and "builds no model of model_type 'kimi_k31'" in plugin[oldest]
+    assert "cannot load Kimi K3.1's DSA indexer" in plugin[newest] and "builds no model of model_type 'kimi_k31'" in plugin[oldest]
 
 
 def test_a_tokenizer_in_repository_code_asks_for_trust_remote_code(k3_dst, tmp_path):
@@ -211,3 +211,23 @@ def test_a_tokenizer_in_repository_code_asks_for_trust_remote_code(k3_dst, tmp_p
     with open(f"{dst}/tokenizer_config.json", "w") as f:
         f.write("{not json")     # untrusted: unreadable counts as no custom code, and the card is still written
     assert "add `--trust-remote-code`" not in model_card(dst, repo_id=REPO)
+
+
+def test_the_card_states_each_releases_memory_at_its_own_default():
+    """Issue 41 item 3 on the card: K3 at TP 8 + EP passes on both releases, but 0.33.0 (0.92) fits no
+    MI300X while 0.34.0 (1.0) does: one memory line per release, each with its GB for the KV cache."""
+    from types import SimpleNamespace
+
+    from test_serving import k3_headers
+
+    from converter.servers import launches
+    config, tensors = k3_headers(layers=92, experts=896)
+    config["text_config"]["num_hidden_layers"] = 93
+    tensors["language_model.model.embed_tokens.weight"] = SimpleNamespace(dtype="BF16", shape=(15_000_000_000 // 7168,
+                                                                                                7168))
+    text = launches.section(config, tensors, "ORG/K3-int4")
+    block = text[text.index("# TP 8 + EP, one node"):text.index("vllm serve ORG/K3-int4 --tensor-parallel-size 8 --enable")]
+    old = next(x for x in block.splitlines() if x.startswith("#   vLLM 0.33.0: "))
+    new = next(x for x in block.splitlines() if x.startswith("#   vLLM 0.34.0: "))
+    assert "not MI300X 192 GiB (5.53 GB short)" in old and "gpu_memory_utilization 0.92" in old, old
+    assert "fits MI300X 192 GiB (11 GB left for the KV cache)" in new and "gpu_memory_utilization 1:" in new, new

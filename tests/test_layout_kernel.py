@@ -281,3 +281,34 @@ def test_bench_restates_aiters_layout_functions(helpers):
     assert torch.equal(as_bytes(bs.pack_int8_to_packed_int4(theirs)), as_bytes(pack(theirs)))
     gn = scales.transpose(1, 2).contiguous()
     assert torch.equal(as_bytes(bs.shuffle_scale_for_int4(gn, 32)), as_bytes(shuffle_scale(gn, group_size=32)))
+
+
+def _kernel_build_calls(path, cls: str, method: str) -> set[str]:
+    """The calls made on ``self.moe_kernel...`` inside the ``make_mxfp4_moe_kernel`` block of a method."""
+    tree = ast.parse(Path(path).read_text())
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    fn = next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == method)
+    block = next(n for n in ast.walk(fn) if isinstance(n, ast.If) and "make_mxfp4_moe_kernel" in ast.unparse(n))
+    out = set()
+    for node in ast.walk(block):
+        text = ast.unparse(node)
+        if isinstance(node, ast.Call) and text.startswith("self.moe_kernel."):
+            out.add(text.split("(")[0].removeprefix("self."))
+        if isinstance(node, ast.Attribute) and text.startswith("self.moe_kernel.") and text.count(".") >= 3:
+            out.add(text.removeprefix("self."))   # a method looked up (getattr guard) and called by another name
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and \
+                ast.unparse(node.args[0]).startswith("self.moe_kernel"):
+            out.add(f"{ast.unparse(node.args[0]).removeprefix('self.')}.{node.args[1].value}")
+    return out
+
+
+def test_the_plugin_builds_the_kernel_as_vllm034s_route_does():
+    """Issue 41 item 5: after make_mxfp4_moe_kernel, vLLM 0.34.0's K3 route calls
+    moe_kernel.fused_experts.keep_constants(layer) (quantization/mxfp4.py 1026); the plugin's
+    process_weights_after_loading makes every call 0.34's route makes on the kernel it built."""
+    theirs = _kernel_build_calls(source("K3CONVERT_VLLM034_SRC", MXFP4), "Mxfp4MoEMethod",
+                                 "_setup_kernel_k3_situ_gfx942")
+    assert "moe_kernel.fused_experts.keep_constants" in theirs, theirs
+    ours = _kernel_build_calls(Path(__file__).parents[1] / "converter/vllm_plugin/moe_method.py",
+                               "K3Int4AiterMoEMethod", "process_weights_after_loading")
+    assert theirs <= ours, theirs - ours

@@ -886,34 +886,145 @@ def _memory(config, tensors, topo, **kw):
     return results["memory"], check.serving_check(config, tensors, req)
 
 
-def test_k3_at_tp8_ep_fits_mi325x_not_mi300x(k3_full_headers):
-    """191 GB of experts per rank at TP 8 + EP: over MI300X's 192 GiB x 0.9, under MI325X's 256 GiB x 0.9."""
+K3_EXPERTS_TP8 = 92 * 112 * 3 * 3072 * 3584 * (0.5 + 2 / 32)    # bytes of int4 experts a rank holds at TP 8 + EP
+MI300X = 192 * 2 ** 30
+
+
+def test_k3_at_tp8_ep_fits_mi325x_not_mi300x_at_0_9(k3_full_headers):
+    """191 GB of experts per rank at TP 8 + EP: over MI300X's 192 GiB x 0.9 when the flag says 0.9."""
     config, tensors = k3_full_headers
-    rule, c = _memory(config, tensors, Topology(8, ep=True))
+    rule, c = _memory(config, tensors, Topology(8, ep=True), utilization=0.9)
     assert rule.ok, rule.message
-    note = next(n for n in c.notes if n.startswith("weights per rank"))
-    experts = 92 * 112 * 3 * 3072 * 3584 * (0.5 + 2 / 32)
-    assert f"experts {experts / 1e9:.3g}" in note and "the rest 3.75" in note, note
+    note = "; ".join(c.notes)
+    assert f"experts {K3_EXPERTS_TP8 / 1e9:.3g}" in note and "split by TP 3.75" in note, note
     assert "MI300X 192 GiB x 0.9: does not fit" in note and "MI325X 256 GiB x 0.9: " in note
-    left = 256 * 2 ** 30 * 0.9 - experts - (15_000_000_000 // 7168) * 7168 * 2 // 8
+    left = 256 * 2 ** 30 * 0.9 - K3_EXPERTS_TP8 - (15_000_000_000 // 7168) * 7168 * 2 // 8
     assert f"{left / 1e9:.3g} GB left for the KV cache" in note, note
+    assert "gpu_memory_utilization 0.9: --gpu-memory-utilization 0.9" in note, note
+
+
+@pytest.mark.parametrize("vllm, utilization, fits", [("0.33", 0.92, False), ("0.34", 1.0, True)])
+def test_each_release_checks_at_its_own_default_utilization(k3_full_headers, vllm, utilization, fits):
+    """Issue 41 item 3: without the flag each release's own default: 0.33.0's 0.92 (config/cache.py 215),
+    0.34.0's 1.0 (unset, resolved with the extensible KV cache, on by default on ROCm). K3 at TP 8 + EP on
+    MI300X: 191.4 GB of experts against 189.7 GB (0.33: short) or 206.2 GB (0.34: room for the KV cache)."""
+    config, tensors = k3_full_headers
+    rule, c = _memory(config, tensors, Topology(8, ep=True), vllm=vllm)
+    note = "; ".join(c.notes)
+    assert all(len(n) <= 160 for n in c.notes), c.notes
+    weights = K3_EXPERTS_TP8 + (15_000_000_000 // 7168) * 7168 * 2 // 8
+    left = MI300X * utilization - weights
+    assert (left >= 0) == fits and rule.ok      # MI325X fits under both
+    room = f"{left / 1e9:.3g} GB left for the KV cache" if fits else f"does not fit ({-left / 1e9:.3g} GB short)"
+    assert f"MI300X 192 GiB x {utilization:g}: {room}" in note, note
+    basis = {"0.33": "vLLM 0.33.0's default 0.92",
+             "0.34": "vLLM 0.34.0's default: 1 with its extensible KV cache, on by default on ROCm (else 0.92)"}
+    assert f"gpu_memory_utilization {utilization:g}: {basis[vllm]}" in note, note
+    assert round(MI300X * utilization / 1e9, 1) == {"0.33": 189.7, "0.34": 206.2}[vllm]
+    assert round(K3_EXPERTS_TP8 / 1e9, 1) == 191.4
+
+
+def test_the_cuda_target_resolves_0_34_the_same_way(k3_full_headers):
+    """vLLM 0.34 turns the extensible KV cache on on CUDA too: a given GPU is checked at 1.0 there."""
+    config, tensors = k3_full_headers
+    req = ServingRequest.parse("vllm-cuda", Topology(8, ep=True), gpu_memory=200)
+    assert req.budget().value == 1.0 and "on by default on CUDA" in req.budget().basis
+    req = ServingRequest.parse("vllm-cuda", Topology(8, ep=True), vllm="0.33", gpu_memory=200)
+    assert req.budget().value == 0.92
+
+
+def test_weights_vllm_keeps_whole_count_on_every_rank():
+    """Issue 41 item 3: the router (a GateLinear: ReplicatedLinear), the latent down projection and K3.1's
+    DSA indexer are held whole by every TP rank, not divided by TP; the latent up projection is split at
+    TP 8 when hidden_size % 8 == 0 (KimiMoE shard_up_proj) and whole when it is not."""
+    config, tensors = k3_headers(layers=4, experts=8)
+    tensors["language_model.model.embed_tokens.weight"] = SimpleNamespace(dtype="BF16", shape=(1000, 7168))
+    config["text_config"]["hidden_size"] = 7168
+    layer = "language_model.model.layers.{}.block_sparse_moe.{}.weight"
+    for L in range(1, 5):
+        tensors[layer.format(L, "gate")] = SimpleNamespace(dtype="BF16", shape=(896, 7168))
+        tensors[layer.format(L, "routed_expert_down_proj")] = SimpleNamespace(dtype="BF16", shape=(3584, 7168))
+        tensors[layer.format(L, "routed_expert_up_proj")] = SimpleNamespace(dtype="BF16", shape=(7168, 3584))
+        tensors[f"language_model.model.layers.{L}.self_attn.indexer.wq_b.weight"] = SimpleNamespace(
+            dtype="BF16", shape=(4096, 1536))
+    gate, proj, indexer = 4 * 896 * 7168 * 2, 4 * 3584 * 7168 * 2, 4 * 4096 * 1536 * 2
+    embed = 1000 * 7168 * 2
+    for vllm, whole in (("0.33", gate + proj), ("0.34", gate + proj + indexer)):
+        req = ServingRequest.parse("vllm-rocm-plugin", Topology(8, ep=True), vllm=vllm, utilization=0.9)
+        ctx = check.context(config, tensors, req)
+        f = check.rank_fit(ctx, Topology(8, ep=True))
+        assert f.replicated == whole, (vllm, f.replicated, whole)
+        assert f.rest == (embed + proj + (0 if vllm == "0.34" else indexer)) // 8
+        assert f"on every TP rank {whole / 1e9:.3g}" in f.text()
+    odd = {**config, "text_config": {**config["text_config"], "hidden_size": 7169}}   # 7169 % 8: up proj whole
+    req = ServingRequest.parse("vllm-rocm-plugin", Topology(8, ep=True), utilization=0.9)
+    f = check.rank_fit(check.context(odd, tensors, req), Topology(8, ep=True))
+    assert f.replicated == gate + 2 * proj + indexer
+    cuda = ServingRequest.parse("vllm-cuda", Topology(8, ep=True), gpu_memory=200)   # nvidia/: up proj whole
+    f = check.rank_fit(check.context(config, tensors, cuda), Topology(8, ep=True))
+    assert f.replicated == gate + 2 * proj + indexer
 
 
 def test_a_rank_that_fits_no_gpu_fails_and_the_sizes_that_fit_are_listed(k3_full_headers):
     """On one node of 141 GB GPUs no TP size fits K3 with EP (TP 12: 75 experts a rank, 128 GB > 127;
     TP 16: KimiMoE pads 192 to 256 and the plugin refuses): the advice says so; DP 2 fits."""
     config, tensors = k3_full_headers
-    rule, c = _memory(config, tensors, Topology(8, ep=True), gpu_memory=141)      # an H200's 141 GB
-    assert not rule.ok and "fit no 141 GB GPU at utilization 0.9" in rule.message, rule.message
+    rule, c = _memory(config, tensors, Topology(8, ep=True), gpu_memory=141, utilization=0.9)   # an H200's 141 GB
+    assert not rule.ok and "fit no 141 GB GPU at gpu_memory_utilization 0.9" in rule.message, rule.message
     assert "TP sizes that pass with EP: none up to 64" in c.notes, c.notes
-    rule, _ = _memory(config, tensors, Topology(8, dp=2, ep=True), gpu_memory=141)
+    rule, _ = _memory(config, tensors, Topology(8, dp=2, ep=True), gpu_memory=141, utilization=0.9)
     assert rule.ok, rule.message                        # DP 2 x TP 8 + EP: 56 experts a rank
     rule, _ = _memory(config, tensors, Topology(8, ep=True), utilization=0.5)
-    assert not rule.ok and "fit no MI300X or MI325X at utilization 0.5" in rule.message
+    assert not rule.ok and "fit no MI300X or MI325X at gpu_memory_utilization 0.5" in rule.message
 
 
 def test_memory_options_are_validated_at_the_edge(servable):
     r = run_cli("verify", servable, "--serving", "vllm-rocm", "--gpu-memory-utilization", "1.5")
     assert r.exit_code == 2 and "--gpu-memory-utilization must be in (0, 1]" in r.output, r.output
+    # H11 (issue 40): no traceback for inf or 1e300 GB, and the value refused is the one given
+    r = run_cli("verify", servable, "--serving", "vllm-rocm", "--gpu-memory-utilization", "1.0000001")
+    assert r.exit_code == 2 and "got 1.0000001" in r.output, r.output
+    for bad in ("inf", "1e300", "nan", "-1", "0", "1e7"):
+        r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm", "--gpu-memory", bad)
+        assert r.exit_code == 2 and "--gpu-memory must be a positive number of GB up to 1e+06" in r.output, (bad, r.output)
+        assert f"got {float(bad)!r}" in r.output and r.exception is None or isinstance(r.exception, SystemExit)
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm", "--gpu-memory", "1e6")
+    assert r.exit_code in (0, 5) and "1e+06 GB GPU" in r.output, r.output
     r = run_cli("verify", servable, "--gpu-memory", "80")
     assert r.exit_code == 2 and "used with --serving" in r.output
+
+
+def test_verify_cli_gives_each_releases_verdict_on_k3_headers(servable, k3_full_headers, monkeypatch):
+    """Issue 41, must show: `verify --serving vllm-rocm-plugin --tp 8 --ep` with K3's headers (92 MoE layers x
+    896 experts at K3's expert dims: a header stand-in given to the serving check of a real output): 0.33 at
+    its 0.92 does not fit MI300X, 0.34 at its 1.0 does, and each line says the KV-cache room in GB."""
+    config, tensors = k3_full_headers
+    real = check.serving_check
+    monkeypatch.setattr(check, "serving_check", lambda _config, _tensors, request: real(config, tensors, request))
+    lines = {}
+    for vllm in ("0.33", "0.34"):
+        r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm-plugin", "--tp", "8", "--ep",
+                    "--vllm-version", vllm)
+        lines[vllm] = " ".join(x.strip() for x in r.output.splitlines() if "GiB x" in x or "weights per rank" in x
+                               or "gpu_memory_utilization" in x)
+        assert r.exit_code == 0, r.output            # MI325X fits under both: the rule passes
+    assert "MI300X 192 GiB x 0.92: does not fit (5.53 GB short)" in lines["0.33"], lines["0.33"]
+    assert "MI325X 256 GiB x 0.92: 57.7 GB left for the KV cache" in lines["0.33"], lines["0.33"]
+    assert "MI300X 192 GiB x 1: 11 GB left for the KV cache" in lines["0.34"], lines["0.34"]
+    assert "MI325X 256 GiB x 1: 79.7 GB left for the KV cache" in lines["0.34"], lines["0.34"]
+    assert "vLLM 0.33.0's default 0.92" in lines["0.33"] and "vLLM 0.34.0's default: 1 with" in lines["0.34"]
+    print("\n".join(f"vLLM {v}: {x}" for v, x in lines.items()))
+
+
+def test_verbose_names_where_the_memory_figures_come_from(servable):
+    """--verbose cites the release's utilization rule and each kind of weight it keeps whole (the router,
+    the latent projections, the norms of the fixture), from that release's module."""
+    for vllm, cite in (("0.33", "vllm 0.33.0 config/cache.py 215"), ("0.34", "vllm 0.34.0 config/cache.py 186")):
+        r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm-plugin", "--vllm-version", vllm,
+                    "--verbose")
+        assert f"memory: gpu_memory_utilization {cite}" in r.output, r.output
+        assert "memory: kept whole on every TP rank, " + cite.split(" config")[0] + " models/kimi_k3/amd/linear.py 245" \
+            in r.output, r.output
+    r = run_cli("verify", servable, "--no-checksums", "--serving", "vllm-rocm-plugin", "--verbose",
+                "--gpu-memory-utilization", "0.8")
+    assert "memory: gpu_memory_utilization vllm" not in r.output and "--gpu-memory-utilization 0.8" in r.output

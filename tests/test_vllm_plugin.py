@@ -44,7 +44,7 @@ def source(env: str, rel: str) -> Path:
 
 
 def aiter_shuffle() -> types.ModuleType:
-    """amd-aiter's own aiter/ops/shuffle.py (it imports only torch)."""
+    """aiter's own layout functions from aiter/ops/shuffle.py (server_sources.aiter_shuffle)."""
     return server_sources.aiter_shuffle(source("K3CONVERT_AITER_SRC", "ops/shuffle.py"))
 
 
@@ -437,6 +437,7 @@ def test_real_vllm_runs_the_experts_method(real_vllm):
     assert out["w13_shape"] == [3, 128, 64] and out["w2_shape"] == [3, 128, 32]
     assert out["backend"] == "AITER_MXFP4_BF16" and out["experts_cls"] == out["vllm_route_experts_cls"]
     assert out["w1_scale_is_layer_scale"]
+    assert out["keep_constants_of_the_layer"]       # as 0.34's route after the build (mxfp4.py 1026)
     assert out["sizes_k3_tp8"] == [3584, 384]
     assert out["pad_refused"].startswith("k3convert vLLM plugin:") and "intermediate size 96" in out["pad_refused"]
 
@@ -449,6 +450,7 @@ def test_real_vllm_leaves_lora_and_emulation_to_vllms_own_method(real_vllm):
     assert out["lora"] == "stock" and out["emulation"] == "stock"
     assert out["flydsl"].startswith("k3convert vLLM plugin: --moe-backend flydsl:")
     assert out["elastic-ep"].startswith("k3convert vLLM plugin: elastic expert parallelism")
+    assert out["eplb"].startswith("k3convert vLLM plugin: --enable-eplb")
 
 
 def test_size_problem_is_the_one_size_rule():
@@ -476,6 +478,12 @@ def test_experts_choice():
             route.experts_choice(None, backend, False)
     with pytest.raises(route.Refused, match="elastic expert parallelism"):
         route.experts_choice(None, "auto", True)
+    # issue 41 item 5: EPLB's redundant experts and rearrangement move per-expert rows of every parameter
+    # (vLLM 0.34 routed_experts.py 205-218 asks supports_eplb, which Mxfp4MoEMethod answers True): refused
+    with pytest.raises(route.Refused, match="--enable-eplb"):
+        route.experts_choice(None, "auto", False, eplb=True)
+    with pytest.raises(route.Refused, match="--enable-eplb"):
+        route.experts_choice(object(), "emulation", False, eplb=True)
 
 
 def test_real_vllm_scheme_lookup_for_the_experts(real_vllm):

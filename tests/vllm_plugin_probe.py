@@ -118,12 +118,15 @@ def quant_method(cls) -> dict:
     CompressedTensorsConfig.get_quant_method = lambda self, lyr, prefix: "stock"
     config = cls.from_config(int4_block(["Linear"], []))
     out = {}
-    for case, lora, backend, elastic in (("default", None, "auto", False), ("aiter", None, "aiter", False),
-                                         ("lora", object(), "auto", False), ("emulation", None, "emulation", False),
-                                         ("flydsl", None, "flydsl", False), ("elastic-ep", None, "auto", True)):
-        vllm.config.get_current_vllm_config = lambda lora=lora, backend=backend, elastic=elastic: (
+    for case, lora, backend, elastic, eplb in (
+            ("default", None, "auto", False, False), ("aiter", None, "aiter", False, False),
+            ("lora", object(), "auto", False, False), ("emulation", None, "emulation", False, False),
+            ("flydsl", None, "flydsl", False, False), ("elastic-ep", None, "auto", True, False),
+            ("eplb", None, "auto", False, True)):
+        vllm.config.get_current_vllm_config = lambda lora=lora, backend=backend, elastic=elastic, eplb=eplb: (
             types.SimpleNamespace(lora_config=lora, kernel_config=types.SimpleNamespace(moe_backend=backend),
-                                  parallel_config=types.SimpleNamespace(enable_elastic_ep=elastic)))
+                                  parallel_config=types.SimpleNamespace(enable_elastic_ep=elastic,
+                                                                        enable_eplb=eplb)))
         try:
             got = config.get_quant_method(layer, "language_model.model.layers.1.block_sparse_moe.experts")
             out[case] = got if isinstance(got, str) else type(got).__name__
@@ -155,7 +158,9 @@ def method(rocm_aiter_ops) -> dict:
         shuffle_weight=shuffle_weight, pack_int8_to_packed_int4=ns["_pack_shuffled_int8_to_packed_int4_no_perm"],
         shuffle_scale_for_int4=relayout)
     built = {}
-    moe_method.make_mxfp4_moe_kernel = lambda **kw: built.update(kw) or "kernel"
+    kept = []   # what the plugin hands keep_constants after the build, as 0.34's route does (mxfp4.py 1026)
+    moe_method.make_mxfp4_moe_kernel = lambda **kw: built.update(kw) or types.SimpleNamespace(
+        fused_experts=types.SimpleNamespace(keep_constants=kept.append))
 
     moe = types.SimpleNamespace(activation=MoEActivation.SITU, activation_situ_beta=4.0, activation_situ_linear_beta=25.0,
                                 max_capture_size=0, has_bias=False, is_act_and_mul=True, experts_per_token=2,
@@ -195,6 +200,7 @@ def method(rocm_aiter_ops) -> dict:
         "w13_scale_equal": bool(torch.equal(layer.w13_weight_scale.data, want_s13)),
         "w13_shape": list(layer.w13_weight_packed.shape), "w2_shape": list(layer.w2_weight_packed.shape),
         "shuffled": bool(getattr(layer.w13_weight_packed, "is_shuffled", False)),
+        "keep_constants_of_the_layer": len(kept) == 1 and kept[0] is layer,
         "experts_cls": built["experts_cls"].__name__, "backend": built["mxfp4_backend"].name,
         "vllm_route_experts_cls": backend_to_kernel_cls(Mxfp4MoeBackend.AITER_MXFP4_BF16)[0].__name__,
         "w1_scale_is_layer_scale": built["moe_quant_config"].w1_scale is layer.w13_weight_scale,

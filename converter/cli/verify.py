@@ -36,8 +36,9 @@ from .params import Whole, fail
               help="Expert parallelism (with --serving vllm-*).")
 @click.option("--gpu-memory", type=float, default=None, metavar="GB",
               help="With --serving: memory of one GPU in GB [default on ROCm: MI300X 192 GiB and MI325X 256 GiB].")
-@click.option("--gpu-memory-utilization", "utilization", type=float, default=0.9, show_default=True,
-              help="With --serving: the share of GPU memory vLLM may take (its own flag and default).")
+@click.option("--gpu-memory-utilization", "utilization", type=float, default=None, metavar="FRACTION",
+              help="With --serving: the share of GPU memory vLLM may take [default: what the release checked "
+                   "uses when the flag is not given (docs/serving.md)].")
 @click.option("--vllm-version", "vllm_version", default=None, metavar="VERSION",
               help="With --serving vllm-*: the vLLM release to check against (default: the newest proven).")
 @click.option("--verbose", "-v", is_flag=True,
@@ -56,7 +57,7 @@ def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, dp, pp, ep, gp
     from ..verify import verify
 
     if (tp != 1 or dp != 1 or pp != 1 or ep or verbose or vllm_version or gpu_memory is not None
-            or utilization != 0.9) and serving is None:
+            or utilization is not None) and serving is None:
         raise click.UsageError("--tp, --dp, --pp, --ep, --gpu-memory, --gpu-memory-utilization, --vllm-version and "
                                "--verbose are used with --serving")
     request = None

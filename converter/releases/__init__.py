@@ -9,9 +9,9 @@ proofs (tests run against every release in ``VLLM``); code never spells a versio
 from __future__ import annotations
 
 from . import sglang_0_5_23, vllm_0_33, vllm_0_34
-from .release import Facts, Family, MoeActivation, Release, release_series
+from .release import Facts, Family, MoeActivation, Release, Replicated, Utilization, release_series
 
-__all__ = ["Facts", "Family", "MoeActivation", "Release", "release_series"]
+__all__ = ["Facts", "Family", "MoeActivation", "Release", "Replicated", "Utilization", "release_series"]
 
 VLLM: tuple[Release, ...] = (vllm_0_33.RELEASE, vllm_0_34.RELEASE)     # oldest first
 NEWEST_VLLM = VLLM[-1]

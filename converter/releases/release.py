@@ -26,6 +26,37 @@ class MoeActivation:
 
 
 @dataclass(frozen=True)
+class Utilization:
+    """How a vLLM release resolves --gpu-memory-utilization when the flag is not given."""
+
+    default: float                             # unset, and no extensible KV cache
+    cite: str                                  # the release's citation key
+    extensible: float | None = None            # unset, with the extensible KV cache on (None: the release has none)
+    extensible_on: tuple[str, ...] = ()        # platforms ("ROCm", "CUDA") where that KV cache is on by default
+
+    def resolve(self, platform: str) -> float:
+        """The value vLLM uses on ``platform`` when the flag is not given (the default configuration)."""
+        return self.extensible if self.extensible is not None and platform in self.extensible_on else self.default
+
+    def rule(self, platform: str) -> str:
+        """How the release arrives at ``resolve(platform)``, in one phrase."""
+        if self.extensible is None or platform not in self.extensible_on:
+            return f"default {self.default:g}"
+        return (f"default: {self.extensible:g} with its extensible KV cache, on by default on {platform} "
+                f"(else {self.default:g})")
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """Checkpoint modules a release's model classes keep whole on every TP rank (a ReplicatedLinear, a
+    ``disable_tp`` linear, a replicated shard of a merged linear, a norm): their bytes count on each rank."""
+
+    pattern: str                               # a regex searched in the tensor name
+    cite: str                                  # the release's citation key
+    unless: str = ""                           # a named condition (servers/memory.py SHARDED_WHEN) that shards it
+
+
+@dataclass(frozen=True)
 class Facts:
     """What a vLLM release does that the plugin and the serving check branch on."""
 
@@ -34,9 +65,12 @@ class Facts:
     kimi_padding_crashes: bool = False         # KimiMoE crashes zeroing a padded per-rank intermediate
     gemm1_module: str = ""                     # the aiter module its gfx942 K3 route imports gemm1 from
     align: int = 128                           # its route rounds K3 SiTU sizes up to this
-    rocm_kimi_dsa: bool = False                # its ROCm Kimi classes load K3.1's DSA indexer
+    kimi_dsa: bool = False                     # its Kimi classes (CUDA: nvidia/) load K3.1's DSA indexer
+    rocm_kimi_dsa: bool = False                # its ROCm Kimi classes (amd/) load K3.1's DSA indexer
     aiter_pin: str = ""                        # the aiter its ROCm image builds (docs/deploy.md)
     moe_activations: Mapping[str, MoeActivation] = field(default_factory=dict)   # by model_type
+    utilization: Utilization | None = None     # --gpu-memory-utilization when not given (None: not read)
+    replicated: Mapping[tuple[str, str], tuple[Replicated, ...]] = field(default_factory=dict)  # (model_type, platform)
 
 
 @dataclass(frozen=True)

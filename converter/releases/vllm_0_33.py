@@ -6,7 +6,9 @@ where the file name is unique). docs/serving.md explains each rule.
 """
 from __future__ import annotations
 
-from .release import Facts, Family, MoeActivation, Release
+import dataclasses
+
+from .release import Facts, Family, MoeActivation, Release, Replicated, Utilization
 
 CITES = {
     # --- the int4 MoE path's rules (converter/servers/rules.py), where vLLM enforces each
@@ -68,6 +70,32 @@ CITES = {
     "oracle.triton": "fused_moe/oracle/int_wna16.py 126-143; experts/triton_moe.py 681-693",
     "situ.beta": "vLLM's SiTU asserts it (fused_moe/activation.py 361-370)",
     "kimi.padding": "$V models/kimi_k3/amd/linear.py 227-236 and 349-357, nvidia/model.py 419-428 and 571-584",
+    # --gpu-memory-utilization when not given (converter/servers/memory.py)
+    "memory.utilization": "$V config/cache.py 215 (gpu_memory_utilization: Field(default=0.92)); "
+                          "v1/worker/utils.py 724-726 (requested = total x gpu_memory_utilization)",
+    # Kimi weights every TP rank holds whole (converter/servers/memory.py; ROCm: models/kimi_k3/amd/,
+    # CUDA: nvidia/)
+    "replicated.router": "$V models/kimi_k3/amd/linear.py 245 and nvidia/model.py 437: the router is a GateLinear, "
+                         "a ReplicatedLinear (fused_moe/router/gate_linear.py 22), with its e_score_correction_bias",
+    "replicated.latent-down": "$V models/kimi_k3/amd/linear.py 278, nvidia/model.py 477: routed_expert_down_proj "
+                              "is a ReplicatedLinear",
+    "replicated.latent-up": "$V models/kimi_k3/amd/linear.py 290-315: routed_expert_up_proj is a ReplicatedLinear "
+                            "unless TP > 1, hidden_size % TP == 0, shared experts and routed_scaling_factor 1.0 "
+                            "(a ColumnParallelLinear then); nvidia/model.py 494: always a ReplicatedLinear",
+    "replicated.mla-a": "$V layers/linear.py 1562 (KimiK3MergedQKVGateLinear: the q_a and kv_a shards stay whole "
+                        "on every rank, the output gate is split), models/kimi_k3/amd/linear.py 408-434 "
+                        "(disable_tp, ReplicatedLinear), nvidia/mla.py 222, 270",
+    "replicated.kda-f-a": "$V models/kimi_k3/amd/kda.py 162, nvidia/kda.py 656: in_proj_qkvgfab's "
+                          "replicated_shard_id=4 (f_a_proj)",
+    "replicated.res-proj": "$V models/kimi_k3/amd/linear.py 632, 639, 784 and nvidia/model.py 808, 815, 1009: "
+                           "the attention-residual projections are ReplicatedLinear",
+    "replicated.norm": "$V layers/layernorm.py RMSNorm: one weight, no TP split",
+    # Kimi K3.1's DSA (converter/formats/kimi_dsa.py)
+    "kimi.dsa-none": "$V has no DSA: no file reads dsa_config, no indexer module under models/kimi_k3/; "
+                     "load_weights has no parameter for an indexer tensor: KeyError (amd/linear.py 1068, "
+                     "nvidia/model.py 1393)",
+    "kimi.dsa-config": "$V reads no dsa_config (no file names it): indexer tensors have no parameter "
+                       "(KeyError at amd/linear.py 1068, nvidia/model.py 1393)",
     "cuda.padding-garbage": "its zeroing looks the int4 words up on the MoE runner, finds none and zeroes nothing, "
                             "so the padded words stay as torch.empty left them (compressed_tensors_moe_wna16.py "
                             "183-207) with scales of 1 (282, 298), and Marlin computes every padded channel "
@@ -146,6 +174,25 @@ CITES = {
                           "weight_scale is dropped)",
 }
 
+KIMI_TYPES = ("kimi_k3", "kimi_k31", "kimi_k3_mtp")
+# Kimi's weights kept whole on every TP rank, by platform (amd/ classes on ROCm, nvidia/ on CUDA)
+_KIMI_ROCM = (
+    Replicated(r"\.block_sparse_moe\.gate\.", "replicated.router"),
+    Replicated(r"\.routed_expert_down_proj\.", "replicated.latent-down"),
+    Replicated(r"\.routed_expert_up_proj\.", "replicated.latent-up", unless="kimi_up_proj_sharded"),
+    Replicated(r"\.(q_a_proj|kv_a_proj_with_mqa)\.", "replicated.mla-a"),
+    Replicated(r"\.f_a_proj\.", "replicated.kda-f-a"),
+    Replicated(r"_res_proj\.", "replicated.res-proj"),
+    Replicated(r"norm\.weight$", "replicated.norm"),
+)
+_KIMI_CUDA = tuple(dataclasses.replace(r, unless="") if r.cite == "replicated.latent-up" else r for r in _KIMI_ROCM)
+
+
+def kimi_replicated(rocm: tuple[Replicated, ...], cuda: tuple[Replicated, ...]) -> dict:
+    """The (model_type, platform) table of Facts.replicated for every Kimi model type."""
+    return {(t, platform): rows for t in KIMI_TYPES for platform, rows in (("ROCm", rocm), ("CUDA", cuda))}
+
+
 _MINIMAX = MoeActivation("swigluoai_uninterleave", {"swiglu_alpha": 1.702, "swiglu_beta": 1.0, "swiglu_limit": 7.0},
                          "activation.minimax_m3")
 
@@ -157,6 +204,8 @@ RELEASE = Release(
           gemm1_module="aiter.ops.flydsl.kernels.moe_2stage_a16wmix",   # quantization/mxfp4.py 882
           align=128,                                     # fused_moe/oracle/mxfp4.py 888-892
           aiter_pin="v0.1.26",                           # docker/Dockerfile.rocm_base 11 at the release commit
-          moe_activations={"minimax_m3_vl": _MINIMAX, "minimax_m3_text": _MINIMAX}),
+          moe_activations={"minimax_m3_vl": _MINIMAX, "minimax_m3_text": _MINIMAX},
+          utilization=Utilization(0.92, "memory.utilization"),
+          replicated=kimi_replicated(_KIMI_ROCM, _KIMI_CUDA)),
     wheel="vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl",
 )

@@ -5,8 +5,8 @@ Every citation that moved or changed since 0.33.0 is re-cited here from 0.34.0's
 """
 from __future__ import annotations
 
-from .release import Facts, Family, MoeActivation, Release
-from .vllm_0_33 import CITES as CITES_0_33
+from .release import Facts, Family, MoeActivation, Release, Replicated, Utilization
+from .vllm_0_33 import _KIMI_CUDA, _KIMI_ROCM, CITES as CITES_0_33, kimi_replicated
 
 CITES = {
     **CITES_0_33,
@@ -108,6 +108,34 @@ CITES = {
     "kimi.dsa-rocm": "$V models/kimi_k3/__init__.py 26-29 builds amd/ on ROCm, which reads no dsa_config (DSA is "
                      "nvidia/dsa.py, nvidia/model.py 1028-1079 only); amd/linear.py load_weights (943-1081) has no "
                      "parameter for the indexer tensors: KeyError at 1073 on the first one",
+    "memory.utilization": "$V config/cache.py 186 (DEFAULT_GPU_MEMORY_UTILIZATION 0.92), 216 "
+                          "(gpu_memory_utilization: default None), 495-501 (resolved_gpu_memory_utilization: "
+                          "1.0 with enable_extensible_kv_cache, else 0.92); config/vllm.py 2006, 3180-3263 "
+                          "(_resolve_extensible_kv_cache: on where unset on CUDA and ROCm unless a KV connector "
+                          "needs otherwise, kv_cache_memory_bytes, num_gpu_blocks_override or elastic EP); "
+                          "v1/worker/utils.py 742-743 (request_memory uses the resolved value)",
+    "replicated.router": "$V models/kimi_k3/amd/linear.py 245 and nvidia/model.py 440: the router is a GateLinear, "
+                         "a ReplicatedLinear (fused_moe/router/gate_linear.py 26), with its e_score_correction_bias",
+    "replicated.latent-down": "$V models/kimi_k3/amd/linear.py 283, nvidia/model.py 480: routed_expert_down_proj "
+                              "is a ReplicatedLinear",
+    "replicated.latent-up": "$V models/kimi_k3/amd/linear.py 295-320: routed_expert_up_proj is a ReplicatedLinear "
+                            "unless TP > 1, hidden_size % TP == 0, shared experts and routed_scaling_factor 1.0 "
+                            "(a ColumnParallelLinear then); nvidia/model.py 497: always a ReplicatedLinear",
+    "replicated.mla-a": "$V layers/linear.py 1595-1635 (KimiK3MergedQKVGateLinear: the q_a and kv_a shards stay "
+                        "whole on every rank, the output gate is split), models/kimi_k3/amd/linear.py 413-439 "
+                        "(disable_tp, ReplicatedLinear), nvidia/mla.py 225, 273",
+    "replicated.kda-f-a": "$V models/kimi_k3/amd/kda.py 202, nvidia/kda.py 663: in_proj_qkvgfab's "
+                          "replicated_shard_id=4 (f_a_proj)",
+    "replicated.res-proj": "$V models/kimi_k3/amd/linear.py 637, 644, 789 and nvidia/model.py 834, 841, 1094: "
+                           "the attention-residual projections are ReplicatedLinear",
+    "replicated.dsa-indexer": "$V models/kimi_k3/nvidia/dsa.py 150-175: K3.1's indexer wq_index is a "
+                              "ReplicatedLinear, wkv_index (wk, weights_proj) disable_tp, and its k norm",
+    "kimi.dsa-config": "$V transformers_utils/configs/kimi_linear.py 15-57 (KimiLinearDSAConfig.from_dict: "
+                       "dsa_layers required, else TypeError), 177-189 (text_config.dsa_config only), 231-235 "
+                       "(is_dsa_layer: 1-based layer numbers); models/kimi_k3/nvidia/dsa.py 8-11 (each DSA "
+                       "layer's self_attn.indexer.{wq_b, wk, weights_proj, k_norm}); an indexer parameter the "
+                       "checkpoint does not fill stays torch.empty: the unloaded-weights check runs only "
+                       "without quantization (model_loader/default_loader.py 547-551, 608-613)",
 }
 
 _MINIMAX = MoeActivation("swigluoai_uninterleave", {"swiglu_alpha": 1.702, "swiglu_limit": 7.0},
@@ -115,15 +143,20 @@ _MINIMAX = MoeActivation("swigluoai_uninterleave", {"swiglu_alpha": 1.702, "swig
 _LING = MoeActivation("swiglustep", {"expert_swiglu_limit_list": 7.0}, "activation.ling",
                       when="expert_swiglu_limit_list")
 
+_DSA = Replicated(r"\.self_attn\.(dsa_)?indexer\.", "replicated.dsa-indexer")
+
 RELEASE = Release(
     Family.VLLM, "0.34.0", CITES,
     Facts(kimi_model_types=("kimi_k3", "kimi_k31"),
           kimi_mtp_types=("kimi_k3_mtp",),               # config/speculative.py 883-890 (K3.1's draft keeps kimi_k31)
           kimi_padding_crashes=True,                     # linear.py 354-362: the same code as 0.33.0's
+          kimi_dsa=True,                                 # models/kimi_k3/nvidia/dsa.py, model.py 1028-1079
           gemm1_module="aiter.ops.flydsl.kernels.moe_2stage_a16wmix",   # quantization/mxfp4.py 987-989
           align=128,                                     # fused_moe/oracle/mxfp4.py 886-892
           aiter_pin="v0.1.28.post1",                     # docker/Dockerfile.rocm_base 13 at the release commit
           moe_activations={"minimax_m3_vl": _MINIMAX, "minimax_m3_text": _MINIMAX,
-                           "bailing_moe_v3": _LING, "bailing_hybrid": _LING}),
+                           "bailing_moe_v3": _LING, "bailing_hybrid": _LING},
+          utilization=Utilization(0.92, "memory.utilization", extensible=1.0, extensible_on=("CUDA", "ROCm")),
+          replicated=kimi_replicated((*_KIMI_ROCM, _DSA), (*_KIMI_CUDA, _DSA))),
     wheel="vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl",
 )

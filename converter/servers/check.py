@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 from ..checks import Check
+from ..formats import kimi_dsa
 from ..formats.safetensors_io import TensorInfo
 from ..releases import Family
 from . import fp8_tp, headers, sglang, vllm
 from .context import Context
 from .headers import DTYPES, GROUP
 from .loaders import refusals as loader_refusals
-from .memory import Fit, expert_memory, experts_of, fit, kimi_fused, kimi_min_per_rank, rest_bytes
+from .memory import Fit, Rest, expert_memory, experts_of, fit, kimi_fused, kimi_min_per_rank, rest_of
 from .rules import RULES, TOPOLOGY_RULES, Problem, RuleResult, ServingRequest, Verdict, result
 from .topology import SPLITS, Topology
 
@@ -38,13 +39,15 @@ def context(config: dict | None, tensors: Mapping[str, TensorInfo], request: Ser
                          *(("names", p) for p in headers.lookup_problems(config, sizes, server.family))]:
         fixed[rid].append((problem, ""))
     fp8, block = headers.fp8_linears(config, tensors)
+    indexer = kimi_dsa.indexer_names(config, tensors)
     if server.family is Family.VLLM:
-        fixed["loader"] += vllm.model_problems(config, tensors, server)
+        fixed["loader"] += vllm.model_problems(config, indexer, server)
         fixed["loader"] += fp8_tp.fused_refusals(config, fp8, (
             n[: -len(".weight")] for n in tensors if n.endswith(".weight")), server.release)
     gpus = request.gpus()   # the other weights' bytes (a pass over every header) only where they are compared
     return Context(config, mats, sizes, experts_of(mats, sizes, config), fixed, server, fp8, block,
-                   rest=rest_bytes(tensors, mats) if gpus else 0, gpus=gpus, utilization=request.utilization)
+                   rest=rest_of(tensors, mats, server.release, config, server.target.platform) if gpus else Rest(0),
+                   gpus=gpus, budget=request.budget(), indexer=indexer)
 
 
 def _split_problems(ctx: Context, topo: Topology) -> list[Problem]:
@@ -87,7 +90,7 @@ def rank_fit(ctx: Context, topo: Topology) -> Fit | None:
     if ctx.server.family is not Family.VLLM or not ctx.gpus:
         return None
     experts = expert_memory(ctx.experts, topo, kimi_min_per_rank(ctx.config)).int4
-    return fit(experts, ctx.rest, topo, ctx.gpus, ctx.utilization)
+    return fit(experts, ctx.rest, topo, ctx.gpus, ctx.budget)
 
 
 def topology_problems(ctx: Context, topo: Topology) -> tuple[dict[str, list[Problem]], Verdict]:
@@ -102,7 +105,7 @@ def topology_problems(ctx: Context, topo: Topology) -> tuple[dict[str, list[Prob
     f = rank_fit(ctx, topo)
     if f is not None and not f.fits_any:
         found["memory"].append((f"{f.weights / 1e9:.3g} GB of weights per rank at {topo.text()} fit no "
-                                f"{' or '.join(f.gpus)} at utilization {f.utilization:g}", f.text()))
+                                f"{' or '.join(f.gpus)} at gpu_memory_utilization {f.utilization:g}", f.text()))
     return found, verdict
 
 
@@ -162,7 +165,7 @@ def serving_check(config: dict | None, tensors: Mapping[str, TensorInfo], reques
         mem = expert_memory(ctx.experts, topo, kimi_min_per_rank(config))
         c.notes.append(f"{topo.text()}, {topo.gpus} GPUs: {_launch(topo)}; per rank {mem.split()}")
         if (f := rank_fit(ctx, topo)) is not None:
-            c.notes.append(f.text())
+            c.notes += f.lines()
     failed = {r.rule for r in results if not r.ok}
     if failed and failed <= set(TOPOLOGY_RULES):
         c.notes.append(_advice(ctx, topo))
@@ -170,6 +173,11 @@ def serving_check(config: dict | None, tensors: Mapping[str, TensorInfo], reques
         c.notes.append(f"server: {server.release_text}, {server.target.target}")
         if is_vllm:
             c.notes += [f"split: {server.release.cite('split.' + k)}" for k in SPLITS]
+            util = server.release.facts.utilization
+            if ctx.gpus and util is not None and request.utilization is None:
+                c.notes.append(f"memory: gpu_memory_utilization {server.release.cite(util.cite)}")
+            c.notes += [f"memory: kept whole on every TP rank, {server.release.cite(row.cite)}"
+                        for row, _ in ctx.rest.whole]
         for r in results:
             if not r.ok:
                 c.notes += [f"rule {r.rule}: {r.detail}" * bool(r.detail), f"rule {r.rule} is enforced by "

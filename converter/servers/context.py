@@ -6,7 +6,7 @@ from typing import Any
 
 from ..formats import checkpoint as ckpt
 from .headers import Matrix
-from .memory import Experts
+from .memory import Budget, Experts, Rest
 from .rules import Problem, Server
 
 
@@ -20,9 +20,10 @@ class Context:
     server: Server
     fp8: dict[str, tuple[int, int]] = field(default_factory=dict)   # FP8 block linears: module -> [out, in]
     block: tuple[int, int] | None = None                             # their block_structure
-    rest: int = 0                                                    # bytes of every weight but the experts
+    rest: Rest = Rest(0)                                             # every weight but the experts, as split
     gpus: dict[str, int] = field(default_factory=dict)               # the GPUs the memory rule checks
-    utilization: float = 0.9
+    budget: Budget = Budget(1.0, "not modelled")                     # --gpu-memory-utilization, as resolved
+    indexer: tuple[str, ...] = ()                                    # Kimi K3.1's DSA indexer tensors
 
 
 def activation(config: dict | None) -> dict[str, Any]:

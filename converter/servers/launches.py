@@ -122,17 +122,19 @@ def _fit(ctx: Context, topo: Topology) -> Fit | None:
 
 
 def _memory(f: Fit | None) -> str:
-    """'191 GB of weights per rank; fits MI325X 256 GiB, not MI300X 192 GiB (--gpu-memory-utilization 0.9)'."""
+    """'195 GB of weights per rank; fits MI325X 256 GiB (57.7 GB left for the KV cache); not MI300X 192 GiB
+    (5.53 GB short) (gpu_memory_utilization 0.92: vLLM 0.33.0's default 0.92)'."""
     if f is None:
         return ""
     text = f"{f.weights / 1e9:.3g} GB of weights per rank"
     known = {g: b for g, b in f.gpus.items() if b}
     if not known:
         return text
-    fits = [f"{g} {b / GIB:g} GiB" for g, b in known.items() if f.left(g) >= 0]
-    short = [f"{g} {b / GIB:g} GiB" for g, b in known.items() if f.left(g) < 0]
-    return (text + f"; fits {', '.join(fits)}" + (f", not {', '.join(short)}" if short else "")
-            + f" (--gpu-memory-utilization {f.utilization:g})")
+    fits = [f"{g} {b / GIB:g} GiB ({f.room(g)})" for g, b in known.items() if f.left(g) >= 0]
+    short = [f"{g} {b / GIB:g} GiB ({f.room(g).removeprefix('does not fit (')}" for g, b in known.items()
+             if f.left(g) < 0]
+    return (text + (f"; fits {', '.join(fits)}" if fits else "") + (f"; not {', '.join(short)}" if short else "")
+            + f" (gpu_memory_utilization {f.utilization:g}: {f.budget.basis})")
 
 
 def release_text(release: Release, server: str) -> str:
@@ -199,10 +201,14 @@ def _server_block(server: str, mine: list[Outcome], repo: str) -> list[str]:
                      f"export {PLUGIN_ENV}"]
         for x in launches:
             if passing[x]:
-                fit = next(o.fit for o in mine if o.launch == x and o.problem is None)
                 code.append(f"# {x.topology.text()}, {x.where}: passes on {_names(passing[x])}")
-                if fit is not None:
-                    code.append(f"#   {_memory(fit)}")
+                fits = [(o.release, _memory(o.fit)) for o in mine if o.launch == x and o.problem is None and o.fit]
+                several = len({text for _, text in fits}) > 1    # the releases' utilizations differ
+                shown: set[str] = set()
+                for release, text in fits:
+                    if text not in shown:
+                        shown.add(text)
+                        code.append(f"#   {release.name + ': ' if several else ''}{text}")
                 if x.topology.dp > 1:
                     code.append(f"# two nodes: add {TWO_NODES}")
                 code.append(x.command(repo))

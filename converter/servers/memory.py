@@ -6,10 +6,11 @@ otherwise the MoE's TP splits each expert; PP gives each stage its layers (topol
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 from ..formats.safetensors_io import TensorInfo
+from ..releases import Release, Replicated
 from ..vllm_plugin import route as plugin_route
 from .headers import W123_MODELS, Matrix, config_size, model_types
 from .topology import Topology, local_experts, pp_stages
@@ -136,14 +137,77 @@ def kimi_padding(sizes: Mapping[str, tuple[int, int]], tp: int, minimum: int) ->
 GIB = 1 << 30
 # the GPUs a ROCm launch is checked against: MI300X and MI325X, 8 HBM stacks of 24 and 32 GiB
 ROCM_GPUS = {"MI300X": 192 * GIB, "MI325X": 256 * GIB}
-UTILIZATION = 0.9          # vLLM's --gpu-memory-utilization default
 
 
-def rest_bytes(tensors: Mapping[str, TensorInfo], mats: list[Matrix]) -> int:
-    """Every weight that is not a routed expert's int4 words, scales or shape: attention, dense and
-    shared MLPs, embeddings, norms, the router, the vision tower."""
+@dataclass(frozen=True)
+class Budget:
+    """The share of each GPU vLLM takes (--gpu-memory-utilization), and where the value comes from."""
+
+    value: float
+    basis: str               # "--gpu-memory-utilization 0.9", "vLLM 0.34.0's: unset, it resolves to 1 ..."
+
+    @classmethod
+    def of(cls, given: float | None, release: Release, platform: str) -> "Budget":
+        """The value given, else the release's own resolution on ``platform`` (``Facts.utilization``)."""
+        rule = release.facts.utilization
+        if given is not None or rule is None:
+            value = given if given is not None else 1.0
+            return cls(value, f"--gpu-memory-utilization {value!r}" if given is not None else "not modelled")
+        return cls(rule.resolve(platform), f"{release.name}'s {rule.rule(platform)}")
+
+
+# conditions under which a release shards a module it otherwise keeps whole (Replicated.unless), on the
+# text config and the TP size: KimiMoE's routed_expert_up_proj (models/kimi_k3/amd/linear.py shard_up_proj)
+SHARDED_WHEN: dict[str, Callable[[Mapping, int], bool]] = {
+    "kimi_up_proj_sharded": lambda cfg, tp: (
+        tp > 1 and isinstance(cfg.get("hidden_size"), int) and cfg["hidden_size"] % tp == 0
+        and ("num_shared_experts" not in cfg or cfg["num_shared_experts"] is not None)
+        and cfg.get("routed_scaling_factor", 1.0) == 1.0),
+}
+
+
+@dataclass(frozen=True)
+class Rest:
+    """Every weight that is not a routed expert's (attention, dense and shared MLPs, embeddings, norms, the
+    router, the vision tower), as vLLM splits it: most by TP, some kept whole on every TP rank."""
+
+    sharded: int                                     # bytes split by TP
+    whole: tuple[tuple[Replicated, int], ...] = ()   # bytes of each module kind the release keeps whole
+    text: Mapping = field(default_factory=dict)      # the text config, for Replicated.unless
+
+    def per_rank(self, topo: Topology) -> tuple[int, int]:
+        """(bytes split by TP, bytes held whole) on one rank at ``topo``; each PP stage holds its share."""
+        whole = split = 0
+        for row, n in self.whole:
+            if row.unless and SHARDED_WHEN[row.unless](self.text, topo.tp):
+                split += n
+            else:
+                whole += n
+        return (self.sharded + split) // (topo.tp * topo.pp), whole // topo.pp
+
+
+def rest_of(tensors: Mapping[str, TensorInfo], mats: list[Matrix], release: Release, config: dict | None,
+            platform: str) -> Rest:
+    """``Rest`` of a checkpoint under a release: the modules its classes keep whole (``Facts.replicated``,
+    by model type and platform) counted apart."""
     experts = {m.module for m in mats if m.expert is not None}
-    return sum(_nbytes(info) for name, info in tensors.items() if name.rpartition(".")[0] not in experts)
+    types = sorted(model_types(config))
+    table = release.facts.replicated
+    rows = next((table[(t, platform)] for t in types if (t, platform) in table), ())
+    patterns = [re.compile(r.pattern) for r in rows]
+    whole = [0] * len(rows)
+    sharded = 0
+    for name, info in tensors.items():
+        if name.rpartition(".")[0] in experts:
+            continue
+        i = next((i for i, p in enumerate(patterns) if p.search(name)), None)
+        if i is None:
+            sharded += _nbytes(info)
+        else:
+            whole[i] += _nbytes(info)
+    text = (config or {}).get("text_config")
+    text = text if isinstance(text, dict) else (config or {})
+    return Rest(sharded, tuple((r, n) for r, n in zip(rows, whole) if n), text)
 
 
 @dataclass(frozen=True)
@@ -151,13 +215,18 @@ class Fit:
     """Whether one rank's weights fit each GPU at a memory utilization, and what is left for the KV cache."""
 
     experts: int             # bytes of routed experts on the fullest rank
-    rest: int                # bytes of the other weights per rank (split evenly by TP and PP)
-    utilization: float
+    rest: int                # bytes of the other weights per rank split by TP and PP
+    budget: Budget
     gpus: Mapping[str, int]  # GPU name -> bytes
+    replicated: int = 0      # bytes of the weights vLLM keeps whole on every TP rank
+
+    @property
+    def utilization(self) -> float:
+        return self.budget.value
 
     @property
     def weights(self) -> int:
-        return self.experts + self.rest
+        return self.experts + self.rest + self.replicated
 
     def left(self, gpu: str) -> float:
         """Bytes left for the KV cache and activations (negative: does not fit)."""
@@ -167,16 +236,26 @@ class Fit:
     def fits_any(self) -> bool:
         return any(self.left(g) >= 0 for g in self.gpus)
 
+    def room(self, gpu: str) -> str:
+        """'14.8 GB left for the KV cache' or 'does not fit (2.1 GB short)'."""
+        left = self.left(gpu)
+        return (f"{left / 1e9:.3g} GB left for the KV cache" if left >= 0 else
+                f"does not fit ({-left / 1e9:.3g} GB short)")
+
+    def lines(self) -> list[str]:
+        """The weights a rank holds; the room left on each GPU; where the utilization comes from."""
+        whole = f", on every TP rank {self.replicated / 1e9:.3g}" if self.replicated else ""
+        each = [f"{g} {b / GIB:g} GiB x {self.utilization:g}: {self.room(g)}" for g, b in self.gpus.items()]
+        return [f"weights per rank {self.weights / 1e9:.3g} GB (experts {self.experts / 1e9:.3g}{whole}, split by "
+                f"TP {self.rest / 1e9:.3g})", "; ".join(each),
+                f"gpu_memory_utilization {self.utilization:g}: {self.budget.basis}"]
+
     def text(self) -> str:
-        per = (f"weights per rank {self.weights / 1e9:.3g} GB (experts {self.experts / 1e9:.3g}, the rest "
-               f"{self.rest / 1e9:.3g})")
-        each = [f"{g} {b / GIB:g} GiB x {self.utilization:g}: " +
-                (f"{self.left(g) / 1e9:.3g} GB left for the KV cache" if self.left(g) >= 0 else
-                 f"does not fit ({-self.left(g) / 1e9:.3g} GB short)") for g, b in self.gpus.items()]
-        return f"{per}; {'; '.join(each)}"
+        return "; ".join(self.lines())
 
 
-def fit(experts: int, rest: int, topo: Topology, gpus: Mapping[str, int], utilization: float) -> Fit:
-    """The fullest rank: its experts (expert_memory) and an even TP x PP share of the other weights
-    (vLLM splits linears and the vocabulary by TP and layers by PP; replicated norms are ignored)."""
-    return Fit(experts, rest // (topo.tp * topo.pp), utilization, dict(gpus))
+def fit(experts: int, rest: Rest, topo: Topology, gpus: Mapping[str, int], budget: Budget) -> Fit:
+    """The fullest rank: its experts (expert_memory), its TP x PP share of the weights vLLM splits, and
+    the weights it keeps whole (``Rest``)."""
+    split, whole = rest.per_rank(topo)
+    return Fit(experts, split, budget, dict(gpus), whole)

@@ -6,15 +6,17 @@ enforced is that release's data (``releases/``), so one rule table serves every 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..releases import NEWEST_VLLM, SGLANG, VLLM, Family, Release, vllm_release
 from .headers import GROUP
-from .memory import ROCM_GPUS, UTILIZATION
+from .memory import ROCM_GPUS, Budget
 from .topology import Topology
 
 PLUGIN_METHOD = "k3convert-int4-gfx942 (converter/vllm_plugin)"
+MAX_GPU_GB = 1e6      # --gpu-memory's bound: a petabyte per GPU is no GPU, and inf or 1e300 GB no number of bytes
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,11 @@ class Target:
     target: str
     method: str
     label: str = ""       # what is added to the release ("+ k3convert plugin")
+
+    @property
+    def platform(self) -> str:
+        """'ROCm' or 'CUDA': the key of the release facts that differ by platform."""
+        return "ROCm" if self.target.startswith("ROCm") else "CUDA"
 
 
 TARGETS: dict[str, Target] = {t.name: t for t in (
@@ -72,17 +79,17 @@ class ServingRequest:
     topology: Topology
     verbose: bool = False
     gpu_memory: float | None = None      # GB per GPU (1e9 bytes); None: MI300X and MI325X on ROCm
-    utilization: float = UTILIZATION     # vLLM's --gpu-memory-utilization
+    utilization: float | None = None     # vLLM's --gpu-memory-utilization; None: the release's own default
 
     @classmethod
     def parse(cls, name: str, tp: int | Topology = 1, *, vllm: str | None = None, verbose: bool = False,
-              gpu_memory: float | None = None, utilization: float = UTILIZATION) -> "ServingRequest":
+              gpu_memory: float | None = None, utilization: float | None = None) -> "ServingRequest":
         """``name`` one of SERVERS; ``vllm`` a proven release ('0.33', '0.34.0'; the newest when None).
         ValueError with the choices otherwise; DP, PP and EP are modelled for vLLM only."""
-        if gpu_memory is not None and not gpu_memory > 0:
-            raise ValueError(f"--gpu-memory must be a positive number of GB, got {gpu_memory:g}")
-        if not 0 < utilization <= 1:
-            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization:g}")
+        if gpu_memory is not None and not (math.isfinite(gpu_memory) and 0 < gpu_memory <= MAX_GPU_GB):
+            raise ValueError(f"--gpu-memory must be a positive number of GB up to {MAX_GPU_GB:g}, got {gpu_memory!r}")
+        if utilization is not None and not 0 < utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization!r}")
         if name not in TARGETS:
             raise ValueError(f"unknown server {name!r}; one of {', '.join(SERVERS)}")
         target = TARGETS[name]
@@ -98,6 +105,10 @@ class ServingRequest:
                                  f"{', '.join(r.version for r in VLLM)}")
             release = found
         return cls(Server(target, release), topo, verbose, gpu_memory, utilization)
+
+    def budget(self) -> Budget:
+        """The utilization vLLM runs at: the one given, else the release's own on the target's platform."""
+        return Budget.of(self.utilization, self.server.release, self.server.target.platform)
 
     def gpus(self) -> dict[str, int]:
         """The GPUs a launch is checked against (name -> bytes): the one given, else ROCm's two."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..errors import BadInput
-from ..formats import checkpoint as ckpt
+from ..formats import checkpoint as ckpt, kimi_dsa
 from ..releases import MoeActivation, Release, unbuilt
 from ..vllm_plugin import route as plugin_route
 from .context import Context, activation
@@ -134,7 +134,7 @@ def _plugin(ctx: Context, topo: Topology, a: _Asked) -> Verdict:
     machine = plugin_route.Machine(is_rocm=True, on_gfx942=True, aiter_moe_enabled=True,
                                    vllm_version=release.version, gemm1=gemm1)
     try:
-        name = plugin_route.decide(blocks[0] if blocks else None, None, config or {}, machine)
+        name = plugin_route.decide(blocks[0] if blocks else None, None, config or {}, machine, tensors=ctx.indexer)
     except plugin_route.Refused as e:
         return Verdict(server.method, outcome=": refused", problem=str(e),
                        detail="converter/vllm_plugin/route.py decide")
@@ -185,24 +185,14 @@ def verdict(ctx: Context, topo: Topology) -> Verdict:
 TARGETS_VERDICT = {"vllm-rocm": _rocm, "vllm-cuda": _cuda, "vllm-rocm-plugin": _plugin}
 
 
-DSA_INDEXER = (".self_attn.indexer.", ".self_attn.dsa_indexer.")   # K3.1's checkpoint names for it
-
-
 def model_problems(config: dict | None, tensors: Iterable[str], server: Server) -> list[Problem]:
     """What this release's model classes refuse whatever the topology: a Kimi model type it does not
-    build (K3.1 before 0.34), and on ROCm K3.1's DSA indexer weights, which its amd/ classes have no
-    parameter for."""
+    build (K3.1 before 0.34), and K3.1's DSA where config and indexer tensors disagree or where the
+    release's classes for the target have no DSA (one rule with the plugin's route: formats/kimi_dsa.py;
+    ``tensors``: the checkpoint's DSA indexer tensor names, all it reads)."""
     release, cfg = server.release, config or {}
-    model_type = cfg.get("model_type")
-    facts = release.facts
-    if why := unbuilt(release, model_type):
+    if why := unbuilt(release, cfg.get("model_type")):
         return [(f"{release.name} {why}", "transformers_utils/config.py, model_executor/models/registry.py of "
                  "that release")]
-    text = found if isinstance(found := cfg.get("text_config"), dict) else cfg
-    if not server.target.target.startswith("ROCm") or facts.rocm_kimi_dsa or not text.get("dsa_config"):
-        return []
-    indexer = sorted(t for t in tensors if any(p in t for p in DSA_INDEXER))
-    if not indexer:
-        return []
-    return [(f"{release.name}'s ROCm Kimi classes have no DSA: its {len(indexer)} indexer tensors (e.g. "
-             f"{indexer[0]}) raise KeyError at load", release.cite("kimi.dsa-rocm"))]
+    found = kimi_dsa.problem(cfg, tensors, release, rocm=server.target.platform == "ROCm")
+    return [(found[0], release.cite(found[1]))] if found else []

@@ -56,6 +56,7 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
     """Mxfp4MoEMethod's K3 gfx942 int4 route, fed from int4 on disk instead of requantized MXFP4."""
 
     supports_pre_processed_weights = False
+    supports_eplb = False    # Mxfp4MoEMethod says True; EPLB is refused (route.experts_choice) before this
     # Weights load exactly as vLLM's compressed-tensors WNA16 MoE method loads them (N-first int32
     # words and bf16 group scales, vLLM's TP/EP sharding): the same functions, not a copy.
     get_weight_shape = CompressedTensorsWNA16MoEMethod.get_weight_shape
@@ -194,6 +195,11 @@ class K3Int4AiterMoEMethod(Mxfp4MoEMethod):
                 experts_cls=self.experts_cls,
                 routing_tables=layer._expert_routing_tables(),
             )
+            # as the release's own route does after the build (docs/vllm_plugin.md): constants the experts
+            # derive are kept on the layer, so a post-load rerun refills what captured graphs read
+            keep = getattr(self.moe_kernel.fused_experts, "keep_constants", None)
+            if keep is not None:    # releases before it have no such method
+                keep(layer)
         if probe is not None:
             self._self_test(layer, *probe)
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
+from ..formats import kimi_dsa
 from ..formats.activation_fields import SITU_FIELDS, ActivationConflict, find as find_activation
 from ..releases import NEWEST_VLLM, Release, all_kimi_model_types, proven_vllm, unbuilt, vllm_release
 
@@ -178,7 +179,7 @@ EMULATION = "emulation"
 OFF = "VLLM_PLUGINS= (empty) turns the plugin off"
 
 
-def experts_choice(lora_config: Any, moe_backend: Any, elastic_ep: bool) -> str | None:
+def experts_choice(lora_config: Any, moe_backend: Any, elastic_ep: bool, eplb: bool = False) -> str | None:
     """Who serves the routed experts: None (the plugin), or why vLLM's own method must; raises Refused.
 
     vLLM's CompressedTensorsMoEMethod.get_moe_method (docs/vllm_plugin.md) uses its
@@ -186,8 +187,14 @@ def experts_choice(lora_config: Any, moe_backend: Any, elastic_ep: bool) -> str 
     Any other explicit backend would be ignored by the plugin's kernel or, served by vLLM, compute
     SiLU (flydsl) or refuse SiTU (triton): refused. Elastic EP rebuilds the method as vLLM's
     FusedMoEModularMethod, which reads `layer.w13_weight` (fused_moe_modular_method.py:112, absent
-    from the int4 layout): refused.
+    from the int4 layout): refused. So is EPLB (--enable-eplb), whatever serves the experts: vLLM's own
+    int4 methods take it only on TRITON, which has no SiTU, and the plugin's layout was never run with its
+    redundant experts or its rearrangement (docs/vllm_plugin.md).
     """
+    if eplb:
+        raise Refused("--enable-eplb: expert load balancing (redundant experts, experts moved between ranks "
+                      "while serving) was never run on the packed-int4 layout, and vLLM's own int4 MoE methods "
+                      "take it only with TRITON, which computes no SiTU; serve without --enable-eplb")
     backend = str(getattr(moe_backend, "value", moe_backend) or "auto").lower()
     if lora_config is not None:
         return "LoRA is enabled (the packed-int4 kernel has no LoRA path)"
@@ -217,7 +224,7 @@ def is_k3_int4(quant_cfg: Any, user_quant: str | None, hf_config: Any) -> bool:
 
 
 def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
-           machine: Machine | Callable[[], Machine]) -> str | None:
+           machine: Machine | Callable[[], Machine], tensors: Iterable[str] | None = None) -> str | None:
     """The override_quantization_method answer for this checkpoint on this machine.
 
     None where the plugin is not meant for the checkpoint (stock vLLM decides) or on CUDA/CPU, whose
@@ -226,6 +233,9 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
     to bf16 (EMULATION: out of memory at K3's size) or, with --moe-backend flydsl on gfx950, compute SiLU.
     A K3 int4 config whose SiTU fields sit at top level beside text_config is refused on every platform
     (`situ_fields`): vLLM would build its experts from text_config's, SiLU by default.
+    ``tensors``: the checkpoint's tensor names where known (its index), for K3.1's DSA rule
+    (formats/kimi_dsa.py, the rule `verify --serving` runs): a K3.1 this release's ROCm classes
+    cannot load, or whose dsa_config and indexer tensors disagree, is refused before the load.
     """
     if quant_cfg is None or not is_k3_int4(quant_cfg, user_quant, hf_config):   # is_k3_int4: a Mapping
         return None
@@ -244,7 +254,9 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
     if not m.aiter_moe_enabled:
         raise Refused("AITER MoE is off: set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1 (stock vLLM would "
                       "dequantize the int4 experts to bf16: about 4x their memory); " + OFF)
-    release_of(m.vllm_version, _get(hf_config, "model_type"))
+    release = release_of(m.vllm_version, _get(hf_config, "model_type"))
+    if found := kimi_dsa.problem(hf_config, tensors, release, rocm=True):
+        raise Refused(found[0])
     if (why := gemm1_problem(m.gemm1, m.gemm1_error)) is not None:
         raise Refused(why)
     if (why := aiter_window_problem(m.aiter_silu_int4)) is not None:

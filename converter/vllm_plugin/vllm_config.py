@@ -58,6 +58,23 @@ def machine() -> route.Machine:
                          aiter_silu_int4=silu_int4)
 
 
+def tensor_names(hf_config: Any) -> list[str] | None:
+    """The checkpoint's tensor names from its index (or single file), where the model is a local folder
+    (a Hub id's weights are not downloaded yet when vLLM asks): K3.1's DSA rule looks at the tensors too."""
+    import os
+
+    from ..errors import ConvertError
+    from ..formats.checkpoint import weight_map
+
+    path = getattr(hf_config, "_name_or_path", None) or getattr(hf_config, "name_or_path", None)
+    if not isinstance(path, str) or not os.path.isdir(path):
+        return None
+    try:
+        return list(weight_map(path))
+    except (ConvertError, OSError, ValueError):
+        return None    # vLLM's own loader says what is wrong with the files
+
+
 class K3Int4Gfx942Config(CompressedTensorsConfig):
     """compressed-tensors, except Kimi K3's int4 g32 SiTU routed experts on gfx942 with AITER MoE."""
 
@@ -67,7 +84,7 @@ class K3Int4Gfx942Config(CompressedTensorsConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
                                      hf_config: Any = None) -> str | None:
-        return route.decide(hf_quant_cfg, user_quant, hf_config, machine)
+        return route.decide(hf_quant_cfg, user_quant, hf_config, machine, tensors=tensor_names(hf_config))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -79,8 +96,10 @@ class K3Int4Gfx942Config(CompressedTensorsConfig):
             weights = self._int4_expert_weights(layer, prefix)
             if weights is None:
                 return super().get_quant_method(layer, prefix)
+            parallel = getattr(cfg, "parallel_config", None)
             why = route.experts_choice(cfg.lora_config, getattr(cfg.kernel_config, "moe_backend", None),
-                                       bool(getattr(getattr(cfg, "parallel_config", None), "enable_elastic_ep", False)))
+                                       bool(getattr(parallel, "enable_elastic_ep", False)),
+                                       eplb=bool(getattr(parallel, "enable_eplb", False)))
             if why is not None:
                 logger.warning_once(f"{route.PREFIX} {why}: vLLM's own compressed-tensors MoE method "
                                     "serves the experts")

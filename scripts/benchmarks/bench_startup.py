@@ -384,7 +384,9 @@ def _mxfp4_experts_to_int4_gfx942(weight, scale):
 def vllm034_route(layer) -> None:
     """Mxfp4MoEMethod._setup_kernel_k3_situ_gfx942 (0.34.0 mxfp4.py 984-1015) up to the kernel build
     (1017-1026): the aiter version check (985-997) is left out, the rest is line for line, with 0.34's
-    replace_parameter."""
+    replace_parameter. The build is timed for neither route: the plugin builds it as 0.34 does, with
+    keep_constants(layer) after it (1026; a no-op for AiterMxfp4Experts, whose kept_constants is
+    FusedMoEExperts' empty tuple, modular_kernel.py 580; tests/test_layout_kernel.py checks the calls)."""
     w13, w13_scale = _mxfp4_experts_to_int4_gfx942(layer.w13_weight, layer.w13_weight_scale)
     replace_parameter_034(layer, "w13_weight", w13)
     replace_parameter_034(layer, "w13_weight_scale", w13_scale)
