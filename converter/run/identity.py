@@ -48,7 +48,7 @@ HINTS = "hints"      # per source shard, what tells that it may have been writte
 
 def run_identity(plan: Plan, options: Options) -> dict[str, Any]:
     return {
-        "tool": "k3convert", "options": options.identity(), "source": plan.src,
+        "tool": "k3convert", "options": options.identity(), "source": plan.label,
         "profile": plan.profile.name, "quantization": plan.source.record(),
         "config": config_identity(os.path.join(plan.src, "config.json")),
         "shards": {s.name: shard_identity(s.path) for s in plan.shards},
