@@ -142,7 +142,8 @@ def _from_hub(src, dst, opts, bar, progress, dry_run, cache_dir, ahead, keep_sou
         bar.start()
         res = hub_convert.convert(src, dst, opts, bar, cache_dir, ahead, keep_source)
     fates = "; ".join(f"{len(names)} {fate.value}" for fate, names in res.fates.items())
-    say(f"fetched {res.fetched} shard(s) of {src.repo}@{res.commit}; peak staging "
+    say(f"{res.fetched} shard file(s) of {src.repo}@{res.commit} ({res.fetched - res.found} downloaded, "
+        f"{res.found} already in the cache); peak staging "
         f"{res.peak_staging_bytes / 1e9:.3f} GB" + (f"; in the cache: {fates}" if fates else ""))
     _finished(res.summary, progress)
 

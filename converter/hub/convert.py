@@ -181,6 +181,7 @@ class _Fetcher(threading.Thread):
         self.on_disk: set[str] = set()
         self.finished: set[str] = set()     # shards converted (``done`` events)
         self.fates: dict[Fate, list[str]] = {}
+        self.found = 0                      # files that were in the cache already (not downloaded)
         self.error: BaseException | None = None
         self.stop = False
         self.peak = 0
@@ -228,7 +229,7 @@ class _Fetcher(threading.Thread):
         t = time.perf_counter()
         f = self.p.snap.files[name]
         self.on_event("fetch", {"shard": name, "bytes": f.size})
-        self.p.space.before_fetch(self._sha(name), f.size)
+        self.found += self.p.space.before_fetch(self._sha(name), f.size)
         path = remote.download(self.p.snap, name, self.cache_dir, self.token)
         if why := remote.problem(self.p.snap, name, path):   # a bad download is never kept for the next run
             then = "the download was removed; run again to fetch it anew" if self.p.space.discard_bad(
@@ -268,6 +269,7 @@ class HubSummary:
     peak_staging_bytes: int
     fetch_seconds: float
     fates: dict[Fate, list[str]]   # what became of each shard this run was done with
+    found: int = 0                 # of ``fetched``, already in the cache
 
 
 def convert(source: HubSource, dst: str | None, options, on_event=lambda k, f: None, cache_dir: str | None = None,
@@ -327,4 +329,4 @@ def convert(source: HubSource, dst: str | None, options, on_event=lambda k, f: N
     summary.seconds = time.perf_counter() - t0
     return HubSummary(summary, p.snap.commit, len(fetcher.fetched) if fetcher else 0,
                       fetcher.peak if fetcher else 0, fetcher.seconds if fetcher else 0.0,
-                      fetcher.fates if fetcher else {})
+                      fetcher.fates if fetcher else {}, fetcher.found if fetcher else 0)

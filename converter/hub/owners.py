@@ -161,14 +161,16 @@ class RunSpace:
         except OSError as e:
             raise io_error(e, self.root, "recording which shards this run reads") from None
 
-    def before_fetch(self, sha: str, size: int) -> None:
+    def before_fetch(self, sha: str, size: int) -> bool:
         """A blob about to be fetched: marked k3convert's unless it is complete in the cache already
-        (then it is the user's, or an earlier run's that is marked)."""
+        (then it is the user's, or an earlier run's that is marked). Whether it was there."""
         try:
             with self.locked():
-                if not self._complete(sha, size):
-                    with open(os.path.join(self.marks, sha), "w"):
-                        pass
+                if self._complete(sha, size):
+                    return True
+                with open(os.path.join(self.marks, sha), "w"):
+                    pass
+                return False
         except OSError as e:
             raise io_error(e, self.marks, "marking a shard as fetched by k3convert") from None
 
