@@ -13,13 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
+import test_hub_source
+from dst_helpers import mounted_tmpfs
 from hub_server import HubServer, SilentServer
-from test_hub_source import (REPO, SHARDS, STATE, assert_same_output, blobs, cli, hub,  # noqa: F401 (fixtures)
-                             local_dst, shard_gets, src)
+from test_hub_source import REPO, SHARDS, STATE, assert_same_output, blobs, cli, shard_gets
 
 from converter.hub.owners import VIEWS
 from converter.run import fetch_wait
 
+src, local_dst, hub = test_hub_source.src, test_hub_source.local_dst, test_hub_source.hub   # the fixtures
 RUNS = Path("org--kimi", "runs")
 
 
@@ -207,15 +209,8 @@ def test_h4_a_silent_header_range_is_one_line_within_the_timeout(hub, tmp_path):
 @pytest.fixture
 def tmpfs(tmp_path):
     """A 16 MiB tmpfs (root only), unmounted afterwards."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                                           capture_output=True, check=False).returncode != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+    with mounted_tmpfs(str(tmp_path / "tmpfs"), "16m") as mnt:
+        yield mnt
 
 
 def _fill(folder: str) -> None:

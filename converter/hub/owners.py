@@ -177,6 +177,14 @@ class RunSpace:
     def release(self, sha: str, paths: list[str], keep: bool) -> Fate:
         """This run is done with a blob: remove it (and ``paths``, its snapshot links) where it is
         k3convert's, not to be kept, and no other live run reads it; else say why it stays."""
+        return self._let_go(sha, paths, keep, bad=False)
+
+    def discard_bad(self, sha: str, paths: list[str]) -> bool:
+        """A blob that is not what the Hub lists: removed (True) where a run fetched it, whoever
+        else reads it (every reader checks it and refuses it too); the user's is left (False)."""
+        return self._let_go(sha, paths, keep=False, bad=True) is Fate.REMOVED
+
+    def _let_go(self, sha: str, paths: list[str], keep: bool, bad: bool) -> Fate:
         mark = os.path.join(self.marks, sha)
         try:
             with self.locked():
@@ -187,32 +195,14 @@ class RunSpace:
                 if keep:
                     os.unlink(mark)
                     return Fate.KEPT
-                if self._others_need(sha):
+                if not bad and self._others_need(sha):
                     return Fate.SHARED
-                for p in (*paths, os.path.join(self.blobs, sha)):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(p)
-                os.unlink(mark)
-                return Fate.REMOVED
-        except OSError as e:
-            raise io_error(e, self.blobs, "removing a converted shard") from None
-
-    def discard_bad(self, sha: str, paths: list[str]) -> bool:
-        """A blob that is not what the Hub lists: removed (True) where a run fetched it, whoever
-        else reads it (every reader checks it and refuses it too); the user's is left (False)."""
-        mark = os.path.join(self.marks, sha)
-        try:
-            with self.locked():
-                self.needs.discard(sha)
-                self._write_needs()
-                if not os.path.exists(mark):
-                    return False
                 for p in (*paths, os.path.join(self.blobs, sha), mark):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(p)
-                return True
+                return Fate.REMOVED
         except OSError as e:
-            raise io_error(e, self.blobs, "removing a corrupt download") from None
+            raise io_error(e, self.blobs, "removing a downloaded shard") from None
 
     def close(self) -> None:
         """Remove this run's folder (under the repository's lock: no run sees it half gone), then
