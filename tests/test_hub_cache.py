@@ -139,7 +139,7 @@ def test_h2_a_conversion_keeps_what_the_user_downloaded(hub, local_dst, tmp_path
     assert_same_output(local_dst, str(tmp_path / "dst"))
     assert {n: Path(p).read_bytes() for n, p in mine.items()} == before   # every link and blob still there
     assert shard_gets(hub) == {}                                           # nothing fetched again
-    assert "3 kept (in the cache before k3convert fetched it: yours)" in r.stderr, r.stderr
+    assert "3 kept (not fetched by k3convert: yours)" in r.stderr, r.stderr
 
 
 def test_h2_keep_source_hands_the_files_to_the_user(hub, tmp_path):

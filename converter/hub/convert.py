@@ -233,7 +233,7 @@ class _Fetcher(threading.Thread):
         path = remote.download(self.p.snap, name, self.cache_dir, self.token)
         if why := remote.problem(self.p.snap, name, path):   # a bad download is never kept for the next run
             then = "the download was removed; run again to fetch it anew" if self.p.space.discard_bad(
-                self._sha(name), [path]) else ("the file was in the cache before k3convert fetched it: yours, "
+                self._sha(name), [path]) else ("the file in the cache was not fetched by k3convert: yours, "
                                                "not removed; remove it, or use another --cache-dir")
             raise BadInput(f"{why}: not converted ({then})", file=f"{self.p.snap.label}/{name}")
         self.p.view.check_header(name, path)

@@ -35,8 +35,8 @@ VIEWS = ".k3convert-views"   # under the cache folder
 class Fate(enum.Enum):
     """What became of a blob a run was done with (the closing line counts them)."""
 
-    REMOVED = "removed (this run fetched it)"
-    YOURS = "kept (in the cache before k3convert fetched it: yours)"
+    REMOVED = "removed (k3convert fetched it)"
+    YOURS = "kept (not fetched by k3convert: yours)"
     SHARED = "kept (another live run still reads it; the last one removes it)"
     KEPT = "kept (--keep-source)"
 
