@@ -5,11 +5,13 @@ copy, waiting on something that may block.
 """
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import json
 import os
 import re
 import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -122,3 +124,17 @@ def release_fifo(path: str):
         except OSError:
             pass
     return go
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(folder: str, size: str):
+    """A tmpfs of ``size`` (``1m``) mounted at the new folder ``folder``, unmounted afterwards; the test is
+    skipped where it cannot be mounted (not root)."""
+    os.makedirs(folder)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder],
+                                           capture_output=True, check=False).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", folder], capture_output=True, check=False)

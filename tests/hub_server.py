@@ -11,13 +11,19 @@ with ``X-Repo-Commit``, ``ETag`` (the LFS SHA-256, or the git blob id of a small
 
 Faults for the tests: ``rate`` (bytes/s, shared by all downloads), ``corrupt`` (file names served with
 one byte flipped, the listing unchanged), ``gated`` (repos that answer 403 GatedRepo), ``drop_after``
-(file -> bytes after which the connection is cut, once). ``requests`` records (method, path, Range) of every request.
+(file -> bytes after which the connection is cut, once), ``listed_size`` (file -> the size the listing
+states instead of the real one), ``range_from`` (file -> another local file of the same size whose bytes
+answer a bounded range request ``bytes=a-b``, a header read; whole and resumed downloads get the real file),
+``silent_ranges`` (files whose bounded range requests are accepted and never answered). ``SilentServer``:
+a server that accepts every connection and says nothing. ``requests`` records (method, path, Range) of
+every request.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -110,6 +116,9 @@ class HubServer:
     corrupt: set[str] = field(default_factory=set)
     gated: set[str] = field(default_factory=set)    # repos that answer 403 GatedRepo (terms not accepted)
     drop_after: dict[str, int] = field(default_factory=dict)
+    listed_size: dict[str, int] = field(default_factory=dict)
+    range_from: dict[str, str] = field(default_factory=dict)
+    silent_ranges: set[str] = field(default_factory=set)
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     bytes_sent: dict[str, int] = field(default_factory=dict)
 
@@ -125,6 +134,7 @@ class HubServer:
     def start(self) -> "HubServer":
         self.limiter = _Limiter(self.rate)
         self.lock = threading.Lock()
+        self.stopped = threading.Event()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -148,6 +158,7 @@ class HubServer:
         return self
 
     def stop(self) -> None:
+        self.stopped.set()
         self.timer.cancel()
         self.httpd.shutdown()
         self.httpd.server_close()
@@ -202,9 +213,10 @@ class HubServer:
                 return self._error(h, 404, "RevisionNotFound", head)
             siblings = []
             for name, f in sorted(c.files.items()):
-                s = {"rfilename": name, "size": f.size, "blobId": f.sha256[:40]}
+                size = self.listed_size.get(name, f.size)
+                s = {"rfilename": name, "size": size, "blobId": f.sha256[:40]}
                 if f.lfs:
-                    s["lfs"] = {"size": f.size, "sha256": f.sha256, "pointerSize": 134}
+                    s["lfs"] = {"size": size, "sha256": f.sha256, "pointerSize": 134}
                 siblings.append(s)
             return self._json(h, 200, {"id": repo, "modelId": repo, "sha": c.sha, "siblings": siblings,
                                        "private": False, "tags": []}, head)
@@ -246,12 +258,16 @@ class HubServer:
             h.send_header("X-Linked-Size", str(f.size))
         if status == 206:
             h.send_header("Content-Range", f"bytes {start}-{end}/{f.size}")
+        bounded = bool(rng) and not rng.endswith("-")   # a header read, not a download or its resumption
+        if bounded and name in self.silent_ranges:
+            self.stopped.wait()   # accepted, never answered
+            return
         h.end_headers()
         if head:
             return
         cut = self.drop_after.get(name)
         sent = 0
-        with open(f.path, "rb") as src:
+        with open(self.range_from[name] if bounded and name in self.range_from else f.path, "rb") as src:
             src.seek(start)
             pos = start
             while pos <= end:
@@ -280,6 +296,32 @@ class HubServer:
                 pos += n
                 with self.lock:
                     self.bytes_sent[name] = self.bytes_sent.get(name, 0) + n
+
+
+class SilentServer:
+    """Accepts every connection on 127.0.0.1 and never says a word (a Hub that hangs), until stopped."""
+
+    def __enter__(self) -> "SilentServer":
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, name="silent-hub", daemon=True).start()
+        return self
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+        for c in self.held:
+            c.close()
 
 
 def main(argv: list[str]) -> None:

@@ -36,7 +36,7 @@ SMALL_CHUNKS = ("import sys, huggingface_hub.constants as c; c.DOWNLOAD_CHUNK_SI
 
 
 def cli(args: list[str], server: HubServer | None = None, cache: str | None = None, wait: bool = True,
-        small_chunks: bool = False, **env):
+        small_chunks: bool = False, timeout: float = 300, **env):
     e = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "K3CONVERT_WORKERS": "1", "K3CONVERT_QUIET": "1",
          "HF_HUB_DISABLE_TELEMETRY": "1", **env}
     e.pop("HF_HUB_OFFLINE", None)
@@ -47,7 +47,7 @@ def cli(args: list[str], server: HubServer | None = None, cache: str | None = No
     cmd = [sys.executable, *(["-c", SMALL_CHUNKS] if small_chunks else ["-m", "converter"]), *args]
     if not wait:
         return subprocess.Popen(cmd, env=e, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, env=e, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=e, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 from conftest import assert_clean_error, run_cli
-from dst_helpers import REPO, complete, verified
+from dst_helpers import REPO, complete, mounted_tmpfs, verified
 
 
 def cli(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
@@ -42,15 +42,8 @@ def test_t14_demo_without_a_usable_tmpdir_is_one_line(tmp_path, monkeypatch):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 1 MiB tmpfs (root only), unmounted afterwards."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                                           capture_output=True, check=False).returncode != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
+    with mounted_tmpfs(str(tmp_path / "tmpfs"), "1m") as mnt:
+        yield mnt
 
 
 def test_t14_demo_with_a_full_tmpdir_exits_4_in_one_line(small_tmpfs, monkeypatch):

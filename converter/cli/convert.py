@@ -92,7 +92,8 @@ def mxfp4_to_int4(src, dst, max_rel_rmse, devices, workers, workers_per_gpu, sam
             if progress == "bar" and interactive():
                 say(f"reading the shard headers of {src}…")
             plan = opts.plan(src)
-            _show_plan(describe(plan, dst or default_dst(plan.src), opts), progress)
+            with _plan_shown(progress):
+                _show_plan(describe(plan, dst or default_dst(plan.src), opts), progress)
             return
         bar.start()
         summary = convert(src, dst, opts, bar)
@@ -115,6 +116,18 @@ def _reported(bar):
     bar.close()
 
 
+@contextlib.contextmanager
+def _plan_shown(progress: str):
+    """A dry run refused for want of room still shows its plan (what it exists for), then the refusal."""
+    from ..run.space import NoRoom
+    try:
+        yield
+    except NoRoom as e:
+        if e.plan is not None:
+            _show_plan(e.plan, progress)
+        raise
+
+
 def _show_plan(info: dict, progress: str) -> None:
     """--dry-run's answer: JSON with --progress json, else one aligned line per item."""
     click.echo(json.dumps(info, indent=2) if progress == "json" else "\n".join(
@@ -126,12 +139,16 @@ def _from_hub(src, dst, opts, bar, progress, dry_run, cache_dir, ahead, keep_sou
     from ..hub import convert as hub_convert
     with _reported(bar):
         if dry_run:
-            _show_plan(hub_convert.describe(src, dst, opts, cache_dir or hub_convert.default_cache(), ahead), progress)
+            with _plan_shown(progress):
+                _show_plan(hub_convert.describe(src, dst, opts, cache_dir or hub_convert.default_cache(), ahead),
+                           progress)
             return
         bar.start()
         res = hub_convert.convert(src, dst, opts, bar, cache_dir, ahead, keep_source)
-    say(f"fetched {res.fetched} shard(s) of {src.repo}@{res.commit}; peak staging "
-        f"{res.peak_staging_bytes / 1e9:.3f} GB; {'kept in' if keep_source else 'removed from'} the cache")
+    fates = "; ".join(f"{len(names)} {fate.value}" for fate, names in res.fates.items())
+    say(f"{res.fetched} shard file(s) of {src.repo}@{res.commit} ({res.fetched - res.found} downloaded, "
+        f"{res.found} already in the cache); peak staging "
+        f"{res.peak_staging_bytes / 1e9:.3f} GB" + (f"; in the cache: {fates}" if fates else ""))
     _finished(res.summary, progress)
 
 

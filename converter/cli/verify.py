@@ -44,8 +44,11 @@ from .params import Whole, fail
 @click.option("--verbose", "-v", is_flag=True,
               help="With --serving: where the server enforces each rule (file and line), and the fixes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="--source ORG/NAME@COMMIT: the Hub cache holding its files (the conversion's --cache-dir) "
+                   "[default: HF_HUB_CACHE].")
 def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, dp, pp, ep, gpu_memory, utilization, vllm_version,
-               verbose, as_json) -> None:
+               verbose, as_json, cache_dir=None) -> None:
     """Check a converted DST: every file against the manifest, checksums, structure, SiTU metadata,
     (with --source) every file against SRC and the numbers, and (with --serving) whether that
     server's int4 MoE path will load it at --tp (--dp, --pp, --ep: the vLLM launch; docs/serving.md).
@@ -60,6 +63,8 @@ def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, dp, pp, ep, gp
             or utilization is not None) and serving is None:
         raise click.UsageError("--tp, --dp, --pp, --ep, --gpu-memory, --gpu-memory-utilization, --vllm-version and "
                                "--verbose are used with --serving")
+    if cache_dir is not None and (src is None or os.path.lexists(src)):
+        raise click.UsageError("--cache-dir is used with --source ORG/NAME@COMMIT (a Hub source)")
     request = None
     if serving:
         try:
@@ -73,7 +78,7 @@ def verify_cmd(dst, src, sample, all_, no_checksums, serving, tp, dp, pp, ep, gp
         try:
             hub_src = parse_source(src)
             assert isinstance(hub_src, HubSource)   # not a local path: lexists said so
-            src = snapshot_path(hub_src)
+            src = snapshot_path(hub_src, cache_dir)
         except ConvertError as e:
             fail(e)
     stream = not as_json and os.path.isdir(dst)   # a missing DST stays one error line

@@ -13,6 +13,7 @@ absolute offsets depend on the header's exact length.
 """
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from dataclasses import dataclass
@@ -20,9 +21,13 @@ from dataclasses import dataclass
 from ..digest import sha256_of
 from ..errors import BadInput, OutputError
 from ..formats.safetensors_io import MAX_HEADER
+from .owners import io_error
 from .source import HubSource
 
 FIRST_RANGE = 100_000  # bytes asked for first, as huggingface_hub's get_safetensors_metadata does
+# the largest file size a listing may state: far beyond any shard (a whole 2.8T-parameter model in one
+# file is ~1.5 TB), within what common file systems hold as one (sparse) file (ext4: 16 TiB)
+MAX_LISTED = 1 << 42
 
 
 @dataclass(frozen=True)
@@ -50,9 +55,20 @@ def endpoint() -> str | None:
     return os.environ.get("HF_ENDPOINT") or None
 
 
-def _hub_error(e: BaseException, what: str) -> Exception:
+def timeouts() -> tuple[float, float]:
+    """Seconds to wait for an answer: (metadata: model info, HEAD; data: ranges, downloads), as
+    huggingface_hub reads them at import (HF_HUB_ETAG_TIMEOUT, HF_HUB_DOWNLOAD_TIMEOUT; 10 s each)."""
+    from huggingface_hub import constants
+    return float(constants.HF_HUB_ETAG_TIMEOUT), float(constants.HF_HUB_DOWNLOAD_TIMEOUT)
+
+
+def _hub_error(e: BaseException, what: str, cache_dir: str | None = None) -> Exception:
     from huggingface_hub import errors as hfe
+    if isinstance(e, hfe.LocalEntryNotFoundError) and e.__cause__ is not None:
+        e = e.__cause__   # huggingface_hub's "cannot find it in the cache either": the cause is the news
     name = type(e).__name__
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return io_error(e, cache_dir or what, "downloading into the Hub cache")
     if isinstance(e, hfe.GatedRepoError):
         return BadInput("gated repository: accept its terms on the Hub and log in (hf auth login or HF_TOKEN)",
                         file=what)
@@ -61,15 +77,20 @@ def _hub_error(e: BaseException, what: str) -> Exception:
                         file=what)
     if isinstance(e, hfe.RevisionNotFoundError):
         return BadInput("no such revision in the repository", file=what)
-    if isinstance(e, hfe.EntryNotFoundError):
+    if isinstance(e, hfe.EntryNotFoundError) and not isinstance(e, hfe.LocalEntryNotFoundError):
         return BadInput("no such file in the repository at this commit", file=what)
     if isinstance(e, hfe.HfHubHTTPError):
         status = getattr(getattr(e, "response", None), "status_code", None)
         return OutputError(f"the Hub answered HTTP {status}: {str(e).splitlines()[0][:200]}", file=what)
-    if isinstance(e, OSError) or "Connect" in name or "Timeout" in name or "Network" in name:
+    again = "; run the same command again once it answers (a conversion resumes)"
+    if "Timeout" in name:
+        meta, data = timeouts()
+        return OutputError(f"the Hub ({endpoint() or 'huggingface.co'}) did not answer within {meta:g} s "
+                           f"(HF_HUB_ETAG_TIMEOUT) / {data:g} s (HF_HUB_DOWNLOAD_TIMEOUT){again}, or raise them",
+                           file=what)
+    if isinstance(e, OSError) or "Connect" in name or "Network" in name:
         return OutputError(f"cannot reach the Hub ({endpoint() or 'huggingface.co'}): "
-                           f"{str(e).splitlines()[0][:200] or name}"
-                           "; run the same command again once it is reachable (a conversion resumes)", file=what)
+                           f"{str(e).splitlines()[0][:200] if str(e) else name}{again}", file=what)
     return OutputError(f"{name}: {str(e).splitlines()[0][:200] if str(e) else ''}", file=what)
 
 
@@ -78,7 +99,7 @@ def resolve(source: HubSource, token: str | None = None) -> Snapshot:
     from huggingface_hub import HfApi
     try:
         info = HfApi(endpoint=endpoint(), token=token).model_info(source.repo, revision=source.revision,
-                                                                   files_metadata=True)
+                                                                   files_metadata=True, timeout=timeouts()[0])
     except Exception as e:  # huggingface_hub and httpx errors, turned into one line
         raise _hub_error(e, str(source)) from None
     if not isinstance(info.sha, str) or len(info.sha) != 40:
@@ -88,6 +109,9 @@ def resolve(source: HubSource, token: str | None = None) -> Snapshot:
         size = s.lfs.size if s.lfs else s.size
         if not isinstance(size, int) or size < 0:
             raise BadInput("the Hub lists no size for it", file=f"{source.repo}/{s.rfilename}")
+        if size > MAX_LISTED:
+            raise BadInput(f"the Hub lists {size:,} bytes for it, more than any file this tool reads "
+                           f"({MAX_LISTED:,} bytes at most)", file=f"{source.repo}/{s.rfilename}")
         files[s.rfilename] = RemoteFile(s.rfilename, size, s.lfs.sha256 if s.lfs else None)
     return Snapshot(source, info.sha, files)
 
@@ -99,7 +123,7 @@ def _get_range(snap: Snapshot, name: str, start: int, end: int, token: str | Non
     url = hf_hub_url(snap.source.repo, name, revision=snap.commit, endpoint=endpoint())
     headers = {**build_hf_headers(token=token), "Range": f"bytes={start}-{end}"}
     try:
-        r = get_session().get(url, headers=headers, follow_redirects=True)
+        r = get_session().get(url, headers=headers, follow_redirects=True, timeout=timeouts()[1])
         hf_raise_for_status(r)
     except Exception as e:
         raise _hub_error(e, f"{snap.label}/{name}") from None
@@ -164,21 +188,26 @@ def download(snap: Snapshot, name: str, cache_dir: str, token: str | None = None
     drop_dead_partials(snap, name, cache_dir)
     try:
         return hf_hub_download(snap.source.repo, name, revision=snap.commit, cache_dir=cache_dir,
-                               endpoint=endpoint(), token=token)
+                               endpoint=endpoint(), token=token, etag_timeout=timeouts()[0])
     except Exception as e:
-        raise _hub_error(e, f"{snap.label}/{name}") from None
+        raise _hub_error(e, f"{snap.label}/{name}", cache_dir) from None
+
+
+def problem(snap: Snapshot, name: str, path: str) -> str | None:
+    """Why a downloaded file is not what the commit lists (its size or SHA-256), or None."""
+    want = snap.files[name]
+    size = os.path.getsize(path)
+    if size != want.size:
+        return f"downloaded {size:,} bytes, the Hub lists {want.size:,}"
+    if want.sha256 is not None and (got := sha256_of(path)) != want.sha256:
+        return f"SHA-256 {got} differs from the Hub's {want.sha256}"
+    return None
 
 
 def check(snap: Snapshot, name: str, path: str) -> None:
     """Refuse a downloaded file whose size or SHA-256 is not what the commit lists (BadInput)."""
-    want = snap.files[name]
-    size = os.path.getsize(path)
-    if size != want.size:
-        raise BadInput(f"downloaded {size:,} bytes, the Hub lists {want.size:,}: not converted",
-                       file=f"{snap.label}/{name}")
-    if want.sha256 is not None and (got := sha256_of(path)) != want.sha256:
-        raise BadInput(f"SHA-256 {got} differs from the Hub's {want.sha256}: not converted (the download was "
-                       "removed; run again to fetch it anew)", file=f"{snap.label}/{name}")
+    if why := problem(snap, name, path):
+        raise BadInput(f"{why}: not used", file=f"{snap.label}/{name}")
 
 
 def snapshot_path(source: HubSource, cache_dir: str | None = None, token: str | None = None) -> str:
@@ -186,7 +215,7 @@ def snapshot_path(source: HubSource, cache_dir: str | None = None, token: str | 
     conversion left there): the snapshot folder, for ``verify --source ORG/NAME@COMMIT``."""
     snap = resolve(source, token)
     from huggingface_hub import constants
-    cache_dir = cache_dir or constants.HF_HUB_CACHE
+    cache_dir = os.path.abspath(cache_dir or constants.HF_HUB_CACHE)
     from huggingface_hub.file_download import repo_folder_name
     for name in sorted(snap.files):
         if not name.startswith("."):

@@ -15,9 +15,10 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
-from ..errors import BadInput, OutputError
+from ..errors import BadInput
 from ..formats import checkpoint as ckpt
 from . import remote as remote
+from .owners import io_error
 
 SIDE_LIMIT = 64 << 20   # a side file larger than this is a sized stub when only looking (inspect, --dry-run)
 
@@ -49,10 +50,47 @@ class View:
         """The shard as its header-only sparse stub (also: a converted shard's source, removed)."""
         write_stub(self.path(name), self.headers.get(name, b""), self.snap.files[name].size)
 
+    def check_header(self, name: str, fetched: str) -> None:
+        """Refuse a fetched shard whose header is not the one the plan was built from (the range
+        requests'): its offsets, dtypes and names are what the conversion follows."""
+        want = self.headers[name]
+        with open(fetched, "rb") as f:
+            got = f.read(len(want))
+        if got != want:
+            raise BadInput("the downloaded file's header differs from the one the plan was read from (the Hub's "
+                           "answer to a range request): not converted; run again to read it anew",
+                           file=f"{self.snap.label}/{name}")
+
     def place(self, name: str, fetched: str) -> None:
         """Put a fetched, checked file in the view (a hard link to it where possible, else a copy)."""
-        dest = self.path(name)
-        tmp = dest + ".k3fetch"
+        _linked(fetched, self.path(name))
+
+
+def write_stub(path: str, header: bytes, size: int) -> None:
+    tmp = path + ".k3stub"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.truncate(size)   # a hole: no blocks on disk
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise io_error(e, path, f"writing a {size:,}-byte sparse stub") from None
+
+
+def _fetch_small(snap: remote.Snapshot, name: str, cache_dir: str, dest: str, token: str | None) -> None:
+    got = remote.download(snap, name, cache_dir, token)
+    remote.check(snap, name, got)
+    _linked(got, dest)
+
+
+def _linked(fetched: str, dest: str) -> None:
+    """A file of the cache at ``dest`` in the view: a hard link to its blob where possible, else a copy."""
+    tmp = dest + ".k3fetch"
+    try:
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
         if os.path.lexists(tmp):
             os.unlink(tmp)
         try:
@@ -60,27 +98,10 @@ class View:
         except OSError:
             shutil.copyfile(fetched, tmp)
         os.replace(tmp, dest)
-
-
-def write_stub(path: str, header: bytes, size: int) -> None:
-    tmp = path + ".k3stub"
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.truncate(size)   # a hole: no blocks on disk
-    os.replace(tmp, path)
-
-
-def _fetch_small(snap: remote.Snapshot, name: str, cache_dir: str, dest: str, token: str | None) -> None:
-    got = remote.download(snap, name, cache_dir, token)
-    remote.check(snap, name, got)
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    try:
-        if os.path.lexists(dest):
-            os.unlink(dest)
-        os.link(os.path.realpath(got), dest)
-    except OSError:
-        shutil.copyfile(got, dest)
+    except OSError as e:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise io_error(e, dest, "putting a downloaded file in the view") from None
 
 
 def shard_names(snap: remote.Snapshot, index_path: str | None) -> list[str]:
@@ -102,7 +123,7 @@ def build(snap: remote.Snapshot, root: str, cache_dir: str, full_side_files: boo
     try:
         os.makedirs(root, exist_ok=True)
     except OSError as e:
-        raise OutputError(f"cannot create the view folder: {e.strerror}", file=root) from None
+        raise io_error(e, root, "creating the view folder") from None
     if "config.json" not in snap.files:
         raise BadInput("no config.json in the repository", file=snap.label)
     index = None
@@ -140,7 +161,11 @@ VIEW_RECORD = ".k3convert-view.json"   # hidden: never taken for a side file
 
 
 def _record(view: View) -> None:
-    with open(os.path.join(view.root, VIEW_RECORD), "w") as f:
-        json.dump({"repo": view.snap.source.repo, "commit": view.snap.commit,
-                   "files": {n: {"size": r.size, "sha256": r.sha256} for n, r in sorted(view.snap.files.items())}},
-                  f, indent=1)
+    path = os.path.join(view.root, VIEW_RECORD)
+    try:
+        with open(path, "w") as f:
+            json.dump({"repo": view.snap.source.repo, "commit": view.snap.commit,
+                       "files": {n: {"size": r.size, "sha256": r.sha256} for n, r in sorted(view.snap.files.items())}},
+                      f, indent=1)
+    except OSError as e:
+        raise io_error(e, path, "writing the view's record") from None

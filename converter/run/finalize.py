@@ -63,6 +63,10 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
                                   file=dst)
             if options is None:
                 options = Options.recorded(run.get("options") or {})
+            if plan is None and not os.path.isabs(str(run.get("source"))):   # a Hub commit (Plan.origin)
+                raise OutputError(f"converted from the Hub commit {run.get('source')}, whose files were that run's "
+                                  f"own: finish it with k3convert mxfp4-to-int4 {run.get('source')} -o {dst} and the "
+                                  "same options (what is converted is kept)", file=dst)
             plan = plan or options.plan(run["source"])
             # what run.json records is what the shards were converted from, with: checked here too
             what = identity_difference(run, run_identity(plan, options)) or source_change(dst, plan, run)[0]
@@ -81,7 +85,7 @@ def _makedirs(path: str) -> None:
 
 
 def _source_record(plan: Plan, run: dict) -> Source:
-    return Source(path=plan.src, profile={**plan.profile.record(), "reason": plan.profile_reason},
+    return Source(path=plan.label, profile={**plan.profile.record(), "reason": plan.profile_reason},
                   quantization=plan.source.record(), dropped_tensors=plan.dropped, dequantized=plan.dequantized,
                   config=run["config"], shards=run["shards"])
 
@@ -174,7 +178,7 @@ def _finalize_locked(dst: str, plan: Plan, options: Options, run: dict, t0: floa
                 staged.append(_staged_record(dst, name, json_bytes(obj), files))
         if all_done or failed:
             staged.append(_staged_record(dst, TENSOR_TABLE, rows_bytes(rows), files))
-            report = Report(source=plan.src, status=status, profile=source.profile, quantization=source.quantization,
+            report = Report(source=plan.label, status=status, profile=source.profile, quantization=source.quantization,
                             dropped_tensors=plan.dropped, dequantized=plan.dequantized, source_format=source_format,
                             activation=plan.activation, max_rel_rmse=options.max_rel_rmse, tensors=len(figs),
                             worst=summary.worst, rel_rmse_mean=mean(r.rel_rmse for r in figs),

@@ -49,7 +49,7 @@ STATEMENT = "quantization_statement"   # the file that states the quantization, 
 
 def run_identity(plan: Plan, options: Options) -> dict[str, Any]:
     return {
-        "tool": "k3convert", "options": options.identity(), "source": plan.src,
+        "tool": "k3convert", "options": options.identity(), "source": plan.label,
         "profile": plan.profile.name, "quantization": plan.source.record(),
         "config": config_identity(os.path.join(plan.src, "config.json")),
         **({STATEMENT: config_identity(plan.stated_in)} if plan.stated_in else {}),   # ModelOpt <= 0.27

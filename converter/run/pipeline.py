@@ -25,7 +25,7 @@ from .identity import recorded_identity, run_identity, shard_record, state_path
 from .options import Event, Options, Summary, default_dst
 from .plan import Plan, ShardPlan
 from .selection import plan_workers, selected, shard_count
-from .space import bytes_needed, bytes_under, check_space
+from .space import NoRoom, bytes_needed, bytes_under, check_space
 from .workers import Task, Workers
 
 
@@ -112,15 +112,20 @@ def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
     probe = dst
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    # the run's space check (issue 33): a replacement first frees what DST holds
-    check_space(dst, bytes_needed(plan, dst, todo, emptied=replaced), bytes_under(dst) if replaced else 0, probe)
+    # the run's space check (issue 33): a replacement first frees what DST holds; refused after the plan
+    refusal = None
+    try:
+        check_space(dst, bytes_needed(plan, dst, todo, emptied=replaced), bytes_under(dst) if replaced else 0, probe)
+    except NoRoom as e:
+        refusal = e
     refuse_while_read(dst)  # every run ends in finalize, which changes DST: not under an upload (T7)
     devices, workers, _ = plan_workers(options, len(chosen))
-    return {
-        "source": plan.src, "dst": dst, "dst_action": action, "profile": f"{plan.profile.name} ({plan.profile_reason})",
+    info = {
+        "source": plan.label, "dst": dst, "dst_action": action,
+        "profile": f"{plan.profile.name} ({plan.profile_reason})",
         "scale_convention": plan.source.scale_note, "scale_rule": options.scale_rule, "devices": devices,
         "workers": workers,
-        "shards": len(chosen), "shards_done": len(done), "shards_todo": len(todo),
+        "shards": len(chosen), "shards_done": len(done), "shards_todo": len(todo), "experts": plan.experts,
         "tensors_to_convert": sum(len(s.converts) for s in todo),
         "modules_to_bf16": sum(len(s.dequants) for s in todo),
         "tensors_copied": sum(len(s.items) - len(s.pairs) for s in todo),
@@ -130,6 +135,10 @@ def describe(plan: Plan, dst: str, options: Options) -> dict[str, Any]:
         "bytes_in": sum(s.bytes_in for s in todo), "bytes_out": sum(s.bytes_out for s in todo),
         "free_bytes_at_dst": shutil.disk_usage(probe).free, "activation": plan.activation,
     }
+    if refusal is not None:
+        refusal.plan = info
+        raise refusal
+    return info
 
 
 def _raise_interrupt(signum, frame) -> None:
@@ -143,8 +152,7 @@ def _convert_shards(plan: Plan, dst: str, options: Options, todo: list[ShardPlan
                       "workers": workers.note})
     if not todo:
         return
-    experts = 1 + max((c.expert or 0) for s in plan.shards for c in s.converts)
-    stride = max(1, -(-experts // max(1, options.sample_experts)))
+    stride = max(1, -(-max(1, plan.experts) // max(1, options.sample_experts)))
     shift = 127 - plan.source.scale_bias
     tasks = [Task(s, dst, stride, options.sample_experts, shift, options.batch_groups, options.scale_rule)
              for s in todo]

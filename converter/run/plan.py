@@ -104,6 +104,19 @@ class Plan:
     other_files: list[str]         # copied byte-identical (tokenizer, chat template, *.py, ...)
     dropped: list[str] = field(default_factory=list)  # tensors left out by --drop-activation-quant
     stated_in: str | None = None   # the file that states the quantization where not config.json (ckpt.stated)
+    # what the source is called in the run record, manifest and report where ``src`` is only one run's
+    # folder (a Hub commit's view: ``ORG/NAME@COMMIT``); None: ``src`` itself
+    origin: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The source as recorded: ``origin``, else the folder."""
+        return self.origin or self.src
+
+    @property
+    def experts(self) -> int:
+        """Routed experts per layer (the highest index converted, plus one; 0 without any)."""
+        return 1 + max((c.expert for s in self.shards for c in s.converts if c.expert is not None), default=-1)
 
     @property
     def bytes_in(self) -> int:

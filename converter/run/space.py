@@ -37,13 +37,19 @@ def bytes_needed(plan: Plan, dst: str, todo: list[ShardPlan], emptied: bool = Fa
     return sum(s.bytes_out for s in todo) + side
 
 
+class NoRoom(OutputError):
+    """A job that does not fit (exit 4). ``plan``: what the dry run shows before the refusal."""
+
+    plan: dict | None = None
+
+
 def check_space(dst: str, need: int, freed: int = 0, at: str | None = None) -> None:
     """Refuse (exit 4) a job that does not fit; ``freed``: bytes a replacement removes first; ``at``:
     the folder whose file system DST will be on (the dry run's DST may not exist yet)."""
     free = shutil.disk_usage(at or dst).free + freed
     margin = space_margin(need)
     if free < need + margin:
-        raise OutputError(f"needs {gb(need)} (+{gb(margin)} margin) but has {gb(free)} free", file=dst)
+        raise NoRoom(f"needs {gb(need)} (+{gb(margin)} margin) but has {gb(free)} free", file=dst)
 
 
 def bytes_under(dst: str) -> int:
