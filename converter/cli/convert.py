@@ -52,7 +52,7 @@ FP4_ALIAS = "fp4-to-int4"   # the same command, named for both FP4 formats it co
                    "misreads code -8 is found by the plugin's load-time self-test, which re-optimizes those groups "
                    "over [-7, 7]); optimal-pm7: the same over codes [-7, 7] (no -8: nothing to redo at load); "
                    "vllm-gfx942: bit-identical to what vLLM (0.33, 0.34) computes at load time on gfx942 "
-                   "(aiter per_1x32_i4_quant; README: Which scale rule).")
+                   "(aiter per_1x32_i4_quant; docs/convert.md: Which scale rule).")
 @click.option("--fp8-bf16-at-tp", "fp8_bf16_tp", type=Whole(min=1), default=None,
               help="An FP8 source (MiMo-V2, Ling-3): write as bf16 the FP8 linears (with their fused siblings) that "
                    "vLLM's compressed-tensors FP8 scheme refuses at this TP size, so the output loads there; their "

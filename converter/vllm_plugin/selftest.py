@@ -27,7 +27,7 @@ ENV = "K3CONVERT_SELFTEST"     # "0": skip (logged)
 TOL = 0.03                     # worst per-token relative L2 error a bf16 a16w4 kernel may show
 TOKEN_RMS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)   # target RMS of each token's gate projection
 MAX_LOCAL = 8                  # local experts sampled when remote ones fill the rest of top-k
-MINUS_EIGHT_FIX = ("convert with `--scale-rule optimal-pm7` (codes in [-7, 7], README: Which scale rule)")
+MINUS_EIGHT_FIX = ("convert with `--scale-rule optimal-pm7` (codes in [-7, 7], docs/convert.md: Which scale rule)")
 # aiter's untuned int4 MoE picks its M tile from the token count padded up to a power of two
 # (get_padded_M, below 32768): `16 if token < 2048 else 32 if token < 16384 else 64` on the padded count,
 # so tile 16 up to 1024 tokens, 32 from 1025, 64 from 8193 (literals there, not exposed; file and lines:
