@@ -8,6 +8,11 @@ converter's own readers, unless a test compares the two on purpose.
 """
 from __future__ import annotations
 
+import sys as _sys
+from pathlib import Path as _Path
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parent / "support"))  # the helpers (support/__init__.py)
+
 import hashlib
 import json
 import math

@@ -17,7 +17,7 @@ vLLM (``vllm_group``,  the class's own name: ``re.match``, or the  by name only,
                        (``RoutedExperts``)
 =====================  =========================================  =========================================
 
-Sources, each read for this module (tests/test_match.py runs both against them on a table of
+Sources, each read for this module (tests/formats/test_match.py runs both against them on a table of
 configs):
 
 - compressed-tensors 0.20.1 ``compressed_tensors/utils/match.py``: ``is_match``, ``match_name``,

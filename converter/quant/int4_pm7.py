@@ -8,7 +8,7 @@ inputs are int4 codes, so the same optimum (every positive normal bf16 scale, ne
 the larger scale) is searched over the int4 alphabet with tables of the same kind: a group's error
 depends only on its code histogram, its scale's bf16 mantissa and the candidate scale. Exact: every
 quantity is a small integer times a power of two in float64. ``verify.brute_force_min`` (an
-independent search) checks it in tests/test_int4_pm7.py.
+independent search) checks it in tests/quant/test_int4_pm7.py.
 
 Candidates: a group holding -8 has largest |value| a = 8|s|; verify.brute_force_min shows that only
 scales in [a/16, 2a] = [|s|/2, 16|s|] can win. Narrower, still exact: above a every code is -1, 0 or

@@ -20,7 +20,7 @@ sweep over the points where a value's int4 code changes:
 The candidates are ranked by the closed form in float64 (the first exact minimum in sweep order wins),
 then the winner's error is recomputed directly; the sweep is a numba kernel, one group per iteration.
 float64 rounding can only confuse candidates whose errors agree to about 1e-13 relative;
-``tests/test_nvfp4.py`` compares with the exhaustive search over every bf16 scale. There is no GPU
+``tests/formats/test_nvfp4.py`` compares with the exhaustive search over every bf16 scale. There is no GPU
 path (docs/nvfp4.md).
 """
 from __future__ import annotations

@@ -311,7 +311,7 @@ def class_target_note(config: dict | None, family: Family) -> str:
     if not classes:
         return ""
     return (f"targets {classes} select by class: {family.value} quantizes every such layer its ignore list misses, "
-            f"under its own module names (fused layers, the MTP draft); tests/test_vllm_quant_methods.py shows "
-            f"one that goes wrong")
+            f"under its own module names (fused layers, the MTP draft); "
+            f"tests/vllm_plugin/test_vllm_quant_methods.py shows one that goes wrong")
 
 

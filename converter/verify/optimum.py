@@ -31,7 +31,7 @@ def brute_force_min(values: torch.Tensor, qmin: int = -8) -> torch.Tensor:
     S > 2a rounds everything to 0 (error sum v^2), which S = a (bf16: an MXFP4 value) never
     exceeds. S < a/16 caps |q S| at 8 S < a/2, an error above a^2/4 on the largest value,
     while some bf16 S in [a/7, a/6.9] (bf16 steps are <= 2^-7 relative) covers every value
-    within S/2: a total below 32 (a/13.8)^2 < a^2/4. tests/test_verify_inspect.py checks
+    within S/2: a total below 32 (a/13.8)^2 < a^2/4. tests/verify/test_verify_inspect.py checks
     the pruned search against the full one.
     """
     import torch

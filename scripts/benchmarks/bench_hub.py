@@ -1,5 +1,5 @@
 """Convert while downloading, measured (issue 34): against the local Hub of the tests
-(tests/hub_server.py, 127.0.0.1, its bandwidth limited), the wall time of
+(tests/support/hub_server.py, 127.0.0.1, its bandwidth limited), the wall time of
 
   download alone    every shard fetched with hf_hub_download, one after another (what `hf download` does)
   conversion alone  `k3convert mxfp4-to-int4 LOCAL_SRC` of the same files, already on disk

@@ -11,7 +11,7 @@ original:
 * **expert output**: ||y_int4 - y|| / ||y|| with K3's SiTU-GLU (docs/spec.md §4, beta 4, linear beta 25),
   y = w2 (SiTU(w1 x) * 25 tanh(w3 x / 25)), in float64, for ``--tokens`` Gaussian inputs;
 * **model level** (``--kl``): KL(MXFP4 || int4) and top-1 agreement of next-token distributions of
-  the tiny Mixtral and Qwen3-MoE models of ``tests/moe_compare.py``, each converted by the CLI with
+  the tiny Mixtral and Qwen3-MoE models of ``tests/support/moe_compare.py``, each converted by the CLI with
   each rule and run by transformers on the CPU (torch's reference MoE, SiLU experts: these models
   are not K3; vLLM's CPU forward is not run here), averaged over ``--seeds`` random models.
 
@@ -154,7 +154,7 @@ def expert_figures(dist: str, experts: int, tokens: int) -> dict[str, dict[str, 
 
 
 def model_kl(seeds: int) -> dict[str, dict[str, list[tuple[float, float]]]]:
-    """Per arch and rule, (KL, top-1) of each seed's model (tests/moe_compare.py's pipeline)."""
+    """Per arch and rule, (KL, top-1) of each seed's model (tests/support/moe_compare.py's pipeline)."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import moe_compare as mc
 
@@ -202,7 +202,7 @@ def main() -> int:
     if args.kl:
         kl = model_kl(args.seeds)
         print(f"\nmodel level: KL(MXFP4 || int4) nats and top-1 agreement, mean of {args.seeds} random models "
-              "(tests/moe_compare.py, transformers)")
+              "(tests/support/moe_compare.py, transformers)")
         for arch, rules in kl.items():
             for rule, vals in rules.items():
                 k, t = np.mean([v[0] for v in vals]), np.mean([v[1] for v in vals])

@@ -2,7 +2,7 @@
 
 Sources: (1) heavy-tailed random weights (Student-t, 4 degrees of freedom, over sqrt(in): like a trained
 expert's) quantized to NVFP4 by compressed-tensors itself (``generate_gparam``, ``calculate_qparams``,
-``NVFP4PackedCompressor.compress``); (2) auto-round 0.16.1's own NVFP4 export in tests/data/auto-round.
+``NVFP4PackedCompressor.compress``); (2) auto-round 0.16.1's own NVFP4 export in tests/support/data/auto-round.
 Errors are relative RMSE against the NVFP4 values (what the checkpoint holds), and for (1) also against
 the bf16 weights the NVFP4 was made from, for scale.
 

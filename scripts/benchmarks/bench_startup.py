@@ -23,7 +23,7 @@ Four ways to reach aiter's packed-int4 a16w4 layout, timed over all 92 MoE layer
   copies a result that fits into its storage (the int4 weight: the same bytes as the MXFP4 source)
   instead of rebinding it: restated too (``replace_parameter_034``). aiter's functions are the same
   restatements as for 0.33. Both vLLM routes write the same bytes (checked after the timing, as
-  ``vllm_033_equals_034_bytes``); tests/test_layout_kernel.py runs each against vLLM's own released code.
+  ``vllm_033_equals_034_bytes``); tests/vllm_plugin/test_layout_kernel.py runs each against vLLM's own released code.
 * ``plugin-torch``: this plugin's layout before issue 23 (``layout.convert_experts_torch_``, 4 experts a chunk).
 * ``plugin-fused``: its one Triton pass (``layout_kernel.convert_experts_``, what ``convert_experts_`` runs on a GPU).
 
@@ -386,7 +386,7 @@ def vllm034_route(layer) -> None:
     (1017-1026): the aiter version check (985-997) is left out, the rest is line for line, with 0.34's
     replace_parameter. The build is timed for neither route: the plugin builds it as 0.34 does, with
     keep_constants(layer) after it (1026; a no-op for AiterMxfp4Experts, whose kept_constants is
-    FusedMoEExperts' empty tuple, modular_kernel.py 580; tests/test_layout_kernel.py checks the calls)."""
+    FusedMoEExperts' empty tuple, modular_kernel.py 580; tests/vllm_plugin/test_layout_kernel.py checks the calls)."""
     w13, w13_scale = _mxfp4_experts_to_int4_gfx942(layer.w13_weight, layer.w13_weight_scale)
     replace_parameter_034(layer, "w13_weight", w13)
     replace_parameter_034(layer, "w13_weight_scale", w13_scale)

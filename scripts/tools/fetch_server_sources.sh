@@ -4,15 +4,15 @@
 #   vllm 0.33.0, 0.34.0    model_executor/layers/quantization/mxfp4.py and
 #                          .../compressed_tensors_moe/compressed_tensors_moe_w4a16_flydsl.py (the
 #                          plugin's layout), fused_moe/config.py, fused_moe/expert_map_manager.py,
-#                          distributed/utils.py (how DP/EP/PP split the MoE: tests/test_serving.py),
+#                          distributed/utils.py (how DP/EP/PP split the MoE: tests/servers/test_serving.py),
 #                          compressed_tensors/utils.py and utils/config_utils.py (the target matcher:
-#                          tests/test_match.py), model_executor/utils.py (0.34's route:
-#                          tests/test_layout_kernel.py), and for 0.34 the files the upstream patches
-#                          apply to (tests/test_upstream_patch.py); the model registry, config and
-#                          tokenizer files docs/deploy.md cites (tests/test_deploy_doc.py)
+#                          tests/formats/test_match.py), model_executor/utils.py (0.34's route:
+#                          tests/vllm_plugin/test_layout_kernel.py), and for 0.34 the files the upstream patches
+#                          apply to (tests/servers/test_upstream_patch.py); the model registry, config and
+#                          tokenizer files docs/deploy.md cites (tests/project/test_deploy_doc.py)
 #   amd-aiter 0.1.7.post2.dev18  aiter/ops/shuffle.py
 #   sglang 0.5.23          the WNA16 MoE and model files that decide how Ling's and GLM's swiglu
-#                          clamp reaches its kernels (tests/test_clamp_serving.py)
+#                          clamp reaches its kernels (tests/servers/test_clamp_serving.py)
 # Usage: eval "$(bash scripts/tools/fetch_server_sources.sh [DEST])"   (prints the export lines)
 # DEST defaults to $K3CONVERT_SERVER_SOURCES, else ~/.cache/k3convert/server-sources. Idempotent:
 # once the files are there nothing is downloaded. Each vllm wheel is ~340 MB; it is deleted after.

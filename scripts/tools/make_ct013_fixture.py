@@ -1,4 +1,4 @@
-"""Write tests/data/ct013-mxfp4: a tiny MoE checkpoint packed by the real compressed-tensors 0.13.0.
+"""Write tests/support/data/ct013-mxfp4: a tiny MoE checkpoint packed by the real compressed-tensors 0.13.0.
 
 Why: 0.13.0 stored MXFP4 E8M0 scales with bias 125 (two below OCP) and all-zero groups as 254
 (docs/mxfp4_dialects.md). The converter must detect and correct that, and the only honest test
@@ -10,7 +10,7 @@ llm-compressor 0.9's ``save_pretrained`` takes) and the ``quantization_config``
 
 Run with 0.13.0 importable, e.g.:
     pip install --no-deps --target /tmp/ct013 compressed_tensors-0.13.0-py3-none-any.whl
-    PYTHONPATH=/tmp/ct013 python scripts/tools/make_ct013_fixture.py tests/data/ct013-mxfp4
+    PYTHONPATH=/tmp/ct013 python scripts/tools/make_ct013_fixture.py tests/support/data/ct013-mxfp4
 """
 from __future__ import annotations
 
