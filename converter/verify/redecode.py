@@ -125,11 +125,12 @@ def run(ctx: Context) -> list[Check]:
     result.sampled = len(names)
     c.summary = (f"{len(names)} of {len(rows)} tensor(s) from the source bytes; largest deviation from the "
                  f"table {worst_dev:.1e} (limit {REL_TOL:g}); int4 read by {result.decoder}")
-    opt.summary = (f"every group ({searched}) at the search's optimum (nvfp4_requant.search, {on.type}); " if searched
-                   else "") + f"{opt_groups} group(s) of {min(len(names), OPT_TENSORS)} tensor(s) vs every bf16 scale" \
+    opt.summary = f"{opt_groups} group(s) of {min(len(names), OPT_TENSORS)} tensor(s) vs every bf16 scale" \
         + (f" (codes [{OPTIMA[rule]}, 7]; no -8 in {len(names)} tensor(s))" if OPTIMA[rule] > -8 else "") \
         if rule in OPTIMA else f"{opt_groups} group(s) of {len(names)} tensor(s) byte-identical to the {rule} rule " \
         "(quant/server_rule.py) applied to the source bytes"
+    if searched:
+        opt.summary += f"; all {searched} group(s) at the search's optimum (nvfp4_requant.search, {on.type})"
     if not names:
         c.skipped = opt.skipped = True
     return [c, opt]
