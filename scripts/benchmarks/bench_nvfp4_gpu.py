@@ -160,6 +160,10 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--cpu-modules", type=int, default=3, help="modules for the CPU step figure")
     ap.add_argument("--skip-cli-cpu", action="store_true")
+    ap.add_argument("--skip-profile", action="store_true")
+    ap.add_argument("--marginal", type=int, default=0, metavar="LAYERS",
+                    help="also convert and verify a source of this many layers on the GPU: the difference "
+                         "of the two runs is the rate without start-up")
     a = ap.parse_args()
     gpu = torch.cuda.is_available()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
@@ -180,7 +184,8 @@ def main() -> None:
         torch.cuda.synchronize()
         ks = time.perf_counter() - t0
         print(f"search alone (Triton kernel, scales, codes and figures), GPU: {b / ks / 1e9:.2f} GB/s ({ks:.3f} s)")
-        profile(mods)
+        if not a.skip_profile:
+            profile(mods)
         del mods
         print(f"module step, GPU: {b / dt / 1e9:.2f} GB/s ({dt:.2f} s for {b / 1e9:.3f} GB); "
               f"1.65 TB at this rate: {1.65e12 / (b / dt) / 3600:.2f} h", flush=True)
@@ -200,6 +205,16 @@ def main() -> None:
         dst = os.path.join(a.root, "dst_cpu")
         runs["cpu"] = (cli("mxfp4-to-int4", src, "-o", dst, "--overwrite", "--devices", "cpu"),
                        cli("verify", dst, "--source", src, "--all", "--no-checksums", env={"CUDA_VISIBLE_DEVICES": ""}))
+    if gpu and a.marginal:
+        big = os.path.join(a.root, "src_big")
+        nbig = build(big, a.marginal, a.experts, "cuda")
+        dst = os.path.join(a.root, "dst_big")
+        conv, ver = (cli("mxfp4-to-int4", big, "-o", dst, "--overwrite"),
+                     cli("verify", dst, "--source", big, "--all", "--no-checksums"))
+        d = (nbig - nbytes) / 1e9
+        rc, rv = d / (conv - runs["gpu"][0]), d / (ver - runs["gpu"][1])
+        print(f"marginal ({a.marginal} - {a.layers} layers, {d:.3f} GB): convert {rc:.2f} GB/s, verify {rv:.2f} GB/s;"
+              f" 1.65 TB: convert {1650 / rc / 3600:.2f} h, verify {1650 / rv / 3600:.2f} h")
     for k, (conv, ver) in runs.items():
         print(f"{k}: convert {conv:.1f} s ({nbytes / conv / 1e9:.2f} GB/s end to end), verify --source --all "
               f"{ver:.1f} s, verify / convert = {ver / conv:.2f}")
