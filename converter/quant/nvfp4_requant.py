@@ -1,27 +1,23 @@
-"""NVFP4 -> int4 group 32 on the CPU: decode exactly, then the least-squares bf16 scale per group.
+"""NVFP4 -> int4 group 32: decode exactly, then the least-squares bf16 scale per group.
 
 NVFP4 (docs/nvfp4.md) stores E2M1 codes, one FP8 E4M3 scale per 16 inputs and one FP32 scale per
 tensor. An int4 group of 32 spans two NVFP4 blocks whose scales differ by any FP8 ratio, so its values
 are not one code table times a power of two and the MXFP4 search (a histogram over 16 codes,
-``requant.py``) does not apply. Here a group's 32 values are decoded to float64 (exact for the
-multiplying convention; correctly rounded once for the dividing one) and the bf16 scale is found by a
-sweep over the points where a value's int4 code changes:
+``requant.py``) does not apply. Here the bf16 scale is found by a sweep over the points where a value's
+int4 code changes (docs/nvfp4.md §3 has the proof):
 
-* For a fixed code vector q the error ``E(S) = A S^2 - 2 B S + C`` (A = sum q^2, B = sum q v,
-  C = sum v^2) is a convex quadratic. q is constant between consecutive breakpoints
-  ``S = |v_i| / (k + 1/2)`` (k = 0..6 for v > 0, 0..7 for v < 0: codes stop at 7 and -8); at a
-  breakpoint both codes give the same error, so E is continuous.
-* On one interval the best bf16 S is one of the two bf16 numbers around the interval's minimiser
-  ``B / A`` clipped to the interval (a convex function's best grid point is next to its minimum).
-* Only S in [a/16, 2a] (a = the largest |v|) can win (``verify.optimum.brute_force_min`` proves it),
-  so the candidates are at most two per interval of that range: a set that contains the optimum over
-  every positive bf16 scale.
+* For a fixed code vector q the error ``E(S) = A S^2 - 2 B S + C`` is a convex quadratic; q is constant
+  between breakpoints ``S = |v_i| / (k + 1/2)``, so per interval only the bf16 numbers around the clipped
+  minimiser ``B / A`` can win, and only S >= a/16 at all.
+* A group has at most 112 breakpoint slots (2 blocks x 7 E2M1 magnitudes x 8 crossings); A and
+  sum q w (w without the global scale) are exact integer-valued sums, so their order cannot matter;
+  breakpoints are keyed by their float32 bits (exact order) and the candidates ranked in float64,
+  ties to the smaller scale.
 
-The candidates are ranked by the closed form in float64 (the first exact minimum in sweep order wins),
-then the winner's error is recomputed directly; the sweep is a numba kernel, one group per iteration.
-float64 rounding can only confuse candidates whose errors agree to about 1e-13 relative;
-``tests/test_nvfp4.py`` compares with the exhaustive search over every bf16 scale. There is no GPU
-path (docs/nvfp4.md).
+``search`` runs it as a numba kernel on every core (CPU tensors) or as the Triton kernel
+``kernels/triton_nvfp4.py`` (GPU tensors), the same float64 operations, the same bytes;
+``tests/test_nvfp4.py`` and ``tests/test_nvfp4_gpu.py`` compare with the exhaustive search over every
+bf16 scale.
 """
 from __future__ import annotations
 
