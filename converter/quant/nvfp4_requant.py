@@ -1,27 +1,23 @@
-"""NVFP4 -> int4 group 32 on the CPU: decode exactly, then the least-squares bf16 scale per group.
+"""NVFP4 -> int4 group 32: decode exactly, then the least-squares bf16 scale per group.
 
 NVFP4 (docs/nvfp4.md) stores E2M1 codes, one FP8 E4M3 scale per 16 inputs and one FP32 scale per
 tensor. An int4 group of 32 spans two NVFP4 blocks whose scales differ by any FP8 ratio, so its values
 are not one code table times a power of two and the MXFP4 search (a histogram over 16 codes,
-``requant.py``) does not apply. Here a group's 32 values are decoded to float64 (exact for the
-multiplying convention; correctly rounded once for the dividing one) and the bf16 scale is found by a
-sweep over the points where a value's int4 code changes:
+``requant.py``) does not apply. Here the bf16 scale is found by a sweep over the points where a value's
+int4 code changes (docs/nvfp4.md §3 has the proof):
 
-* For a fixed code vector q the error ``E(S) = A S^2 - 2 B S + C`` (A = sum q^2, B = sum q v,
-  C = sum v^2) is a convex quadratic. q is constant between consecutive breakpoints
-  ``S = |v_i| / (k + 1/2)`` (k = 0..6 for v > 0, 0..7 for v < 0: codes stop at 7 and -8); at a
-  breakpoint both codes give the same error, so E is continuous.
-* On one interval the best bf16 S is one of the two bf16 numbers around the interval's minimiser
-  ``B / A`` clipped to the interval (a convex function's best grid point is next to its minimum).
-* Only S in [a/16, 2a] (a = the largest |v|) can win (``verify.optimum.brute_force_min`` proves it),
-  so the candidates are at most two per interval of that range: a set that contains the optimum over
-  every positive bf16 scale.
+* For a fixed code vector q the error ``E(S) = A S^2 - 2 B S + C`` is a convex quadratic; q is constant
+  between breakpoints ``S = |v_i| / (k + 1/2)``, so per interval only the bf16 numbers around the clipped
+  minimiser ``B / A`` can win, and only S >= a/16 at all.
+* A group has at most 112 breakpoint slots (2 blocks x 7 E2M1 magnitudes x 8 crossings); A and
+  sum q w (w without the global scale) are exact integer-valued sums, so their order cannot matter;
+  breakpoints are keyed by their float32 bits (exact order) and the candidates ranked in float64,
+  ties to the smaller scale.
 
-The candidates are ranked by the closed form in float64 (the first exact minimum in sweep order wins),
-then the winner's error is recomputed directly; the sweep is a numba kernel, one group per iteration.
-float64 rounding can only confuse candidates whose errors agree to about 1e-13 relative;
-``tests/formats/test_nvfp4.py`` compares with the exhaustive search over every bf16 scale. There is no GPU
-path (docs/nvfp4.md).
+``search`` runs it as a numba kernel on every core (CPU tensors) or as the Triton kernel
+``kernels/triton_nvfp4.py`` (GPU tensors), the same float64 operations, the same bytes;
+``tests/formats/test_nvfp4.py`` and ``tests/quant/kernels/test_nvfp4_gpu.py`` compare with the exhaustive search over every
+bf16 scale.
 """
 from __future__ import annotations
 
@@ -65,9 +61,16 @@ def decode(packed: torch.Tensor, block_scales: torch.Tensor, gscale: GlobalScale
     E2M1 (2 significant bits) times E4M3 (4) times FP32 (24) is exact in float64; the dividing
     convention rounds once. ``block_scales``: float8_e4m3fn [R, C/16].
     """
-    v = _E2M1[codes(packed)]
+    v = _E2M1.to(packed.device)[codes(packed)]
     s = block_scales.to(torch.float64).repeat_interleave(BLOCK, dim=1)
     return gscale.apply(v * s)
+
+
+# The search's slots: one per (block b of the group's two, E2M1 level l = 1..7, crossing k = 0..7), the
+# breakpoint S = L_l e_b / (k + 1/2) where a value of magnitude L_l e_b changes code (docs/nvfp4.md §3).
+NSLOT = 2 * 7 * 8 + 1
+FLOOR = 127                                           # the slot of the lower bound a / 16
+_L2 = np.array([0, 1, 2, 3, 4, 6, 8, 12], np.int64)   # 2 x the E2M1 magnitudes of levels 0..7
 
 
 @numba.njit(cache=True, nogil=True)
@@ -77,63 +80,102 @@ def _bf16_around(x: float) -> tuple[float, float]:
 
 
 @numba.njit(cache=True, nogil=True)
-def _group_scale(v: np.ndarray, bp: np.ndarray, da: np.ndarray, db: np.ndarray) -> float:
-    """One group's least-squares bf16 scale (0 if all zero): the sweep of the module docstring.
-    ``bp``/``da``/``db``: scratch of 256 (breakpoints and what crossing each adds to A and B)."""
-    a, c, n = 0.0, 0.0, 0
-    for i in range(GROUP):
-        a = max(a, abs(v[i]))
-        c += v[i] * v[i]
-    if a == 0.0:
+def _group_scale(byts: np.ndarray, e0: float, e1: float, g: float, divide: bool,
+                 keys: np.ndarray, f32: np.ndarray, cnt: np.ndarray) -> float:
+    """One group's least-squares bf16 scale (0 if all zero); docs/nvfp4.md §3 "The search" is the spec
+    and ``kernels/triton_nvfp4.py`` the same steps on a GPU (same keys, same float64 operations).
+    ``byts``: the group's 16 packed bytes; ``keys`` int64 [NSLOT], ``f32`` float32 [NSLOT], ``cnt`` int64 [32]:
+    scratch."""
+    cnt[:] = 0                                      # code counts, block b's at 16 b + code
+    for i in range(16):
+        cnt[16 * (i // 8) + (byts[i] & 15)] += 1
+        cnt[16 * (i // 8) + (byts[i] >> 4)] += 1
+    aw = 0.0                                        # the largest |w| (w = E2M1 x block scale, no global)
+    for b in range(2):
+        e = e0 if b == 0 else e1
+        for lv in range(1, 8):
+            if cnt[16 * b + lv] + cnt[16 * b + lv + 8] > 0:
+                aw = max(aw, (_L2[lv] * e) * 0.5)
+    if aw == 0.0:
         return 0.0
-    floor = a / 16                                # no scale below it wins (module docstring)
-    for i in range(GROUP):
-        x = abs(v[i])
-        for k in range(8 if v[i] < 0 else 7):     # codes stop at 7 above, -8 below
-            b = x / (k + 0.5)
-            if b < floor:                         # never crossed in [a/16, 2a]: q stays at k there
-                break
-            bp[n], da[n], db[n] = b, 2 * k + 1, x
-            n += 1
-    key = np.empty(n)
-    for i in range(n):                            # descending by breakpoint, ties by index: a fixed order
-        key[i] = -bp[i]
-    order = np.argsort(key, kind="mergesort")
-    A, B, best, best_err = 0.0, 0.0, 0.0, np.inf
-    for j in range(n):
-        o = order[j]
-        A += da[o]
-        B += db[o]
-        hi = bp[o]
-        lo = max(bp[order[j + 1]] if j + 1 < n else 0.0, floor)
-        if hi < lo:
-            continue
-        mid = min(max(B / A, lo), hi)
-        if A * mid * mid - 2.0 * B * mid + c > best_err:   # the interval's continuous minimum already loses
-            continue
-        down, up = _bf16_around(mid)
-        for s in (down, up):                      # the first exact minimum in this order wins
-            if lo <= s <= hi:
-                err = A * s * s - 2.0 * B * s + c
-                if err < best_err:
-                    best, best_err = s, err
+    floor = aw / 16                                 # no scale below it wins: breakpoints below are dropped
+    f32[0] = floor                                  # and the floor is a breakpoint of no value (slot FLOOR)
+    keys[0] = FLOOR << 5
+    n = 1
+    for b in range(2):
+        e = e0 if b == 0 else e1
+        for lv in range(1, 8):
+            npos, nneg = cnt[16 * b + lv], cnt[16 * b + lv + 8]
+            for k in range(8):
+                c = (npos if k <= 6 else 0) + nneg          # codes stop at 7 above, -8 below
+                bw = (_L2[lv] * e) * 0.5 / (k + 0.5)
+                if c == 0 or bw < floor:
+                    continue
+                f32[n] = bw                         # exact order: distinct breakpoints differ by > 2^-12
+                keys[n] = ((b * 56 + (lv - 1) * 8 + k) << 5) | c
+                n += 1
+    bits = f32.view(np.int32)
+    for i in range(n):                              # the sort key: the breakpoint's float32 bits, then the slot
+        key = (np.int64(bits[i]) << 12) | keys[i]
+        p = i                                       # insertion sort, descending (n <= 112)
+        while p > 0 and keys[p - 1] < key:
+            keys[p] = keys[p - 1]
+            p -= 1
+        keys[p] = key
+    best, best_k = 0.0, np.inf
+    a, n0, n1 = 0, 0, 0
+    for p in range(n):                              # breakpoints descending: codes grow as S falls
+        key = keys[p]
+        j, c = (key >> 5) & 127, key & 31
+        b, lv, k = j // 56, (j % 56) // 8 + 1, j % 8
+        e = e0 if b == 0 else e1
+        a_ex, n0_ex, n1_ex = a, n0, n1
+        a += (2 * k + 1) * c                        # sum q^2 grows by (k+1)^2 - k^2 a crossing value
+        if b == 0:
+            n0 += _L2[lv] * c                       # sum q w grows by |w| (in halves of L e_b)
+        else:
+            n1 += _L2[lv] * c
+        bw = floor if j == FLOOR else (_L2[lv] * e) * 0.5 / (k + 0.5)
+        hi = bw / g if divide else bw * g
+        for side in range(2):                       # 0: the interval below the breakpoint, 1: above it
+            aa = a if side == 0 else a_ex
+            if aa == 0:
+                continue
+            bsum = (n0 * e0 + n1 * e1) * 0.5 if side == 0 else (n0_ex * e0 + n1_ex * e1) * 0.5   # exact
+            bb = bsum / g if divide else bsum * g
+            m = bb / aa
+            c2 = min(m, hi) if side == 0 else max(m, hi)
+            down, up = _bf16_around(c2)
+            for s in (down, up):
+                if (s <= hi) if side == 0 else (s >= hi):
+                    kk = (aa * s) * s - (2.0 * bb) * s   # the error less sum v^2
+                    if kk < best_k or (kk == best_k and s < best):   # ties: the smaller scale
+                        best, best_k = s, kk
     return best
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _sweep_groups(v: np.ndarray) -> np.ndarray:
-    out = np.empty(v.shape[0])
-    step = 256
-    for c in numba.prange((v.shape[0] + step - 1) // step):
-        bp, da, db = np.empty(256), np.empty(256), np.empty(256)
-        for g in range(c * step, min(v.shape[0], (c + 1) * step)):
-            out[g] = _group_scale(v[g], bp, da, db)
+def _search_groups(byts: np.ndarray, e: np.ndarray, g: float, divide: bool) -> np.ndarray:
+    out = np.empty(byts.shape[0])
+    step = 1024
+    for ch in numba.prange((byts.shape[0] + step - 1) // step):
+        keys, f32, cnt = np.empty(NSLOT, np.int64), np.empty(NSLOT, np.float32), np.empty(32, np.int64)
+        for i in range(ch * step, min(byts.shape[0], (ch + 1) * step)):
+            out[i] = _group_scale(byts[i], e[i, 0], e[i, 1], g, divide, keys, f32, cnt)
     return out
 
 
-def _sweep(v: torch.Tensor) -> torch.Tensor:
-    """The least-squares bf16 scale of each group [G, 32] float64 (0 for an all-zero group)."""
-    return torch.from_numpy(_sweep_groups(np.ascontiguousarray(v.numpy())))
+def search(packed: torch.Tensor, block_scales: torch.Tensor, gscale: GlobalScale) -> torch.Tensor:
+    """The least-squares bf16 scale (float64; 0 for an all-zero group) of every int4 group of an NVFP4
+    tensor: packed uint8 [R, C/2], block scales float8_e4m3fn [R, C/16]. On the tensors' device: the
+    Triton kernel on a GPU, the numba kernel (every core) on the CPU; the same bytes either way."""
+    groups = packed.reshape(-1, 16)
+    if packed.device.type != "cpu":
+        from ..kernels.triton_nvfp4 import requantize
+        return requantize(groups, block_scales.reshape(-1, 2), gscale.value, gscale.divide)[0]
+    e = block_scales.reshape(-1, 2).to(torch.float64)
+    return torch.from_numpy(_search_groups(groups.contiguous().numpy(), e.contiguous().numpy(),
+                                           gscale.value, gscale.divide))
 
 
 def quantize(v: torch.Tensor, scale: torch.Tensor, qmin: int = QMIN) -> torch.Tensor:
@@ -154,9 +196,9 @@ class GroupResult:
     out_of_range: torch.Tensor  # bool [G]
 
 
-def optimal(values: torch.Tensor) -> GroupResult:
-    """The least-squares int4 (codes -8..7) with one bf16 scale per group of 32 (``values`` float64 [G, 32])."""
-    scales = _sweep(values.contiguous()) if values.shape[0] else torch.zeros(0, dtype=torch.float64)
+def optimal(values: torch.Tensor, scales: torch.Tensor) -> GroupResult:
+    """The least-squares int4 (codes -8..7) of groups ``values`` float64 [G, 32] given their scales
+    (``search``'s, float64 [G])."""
     bad = (scales != 0) & ((scales < BF16_MIN_NORMAL) | (scales > BF16_MAX))
     q = quantize(values, scales)
     err2 = ((q.double() * scales.unsqueeze(1) - values) ** 2).sum(1)
@@ -208,12 +250,25 @@ class ModuleResult:
     out_of_range: int
 
 
-def requantize_module(packed: torch.Tensor, block_scales: torch.Tensor, gscale: GlobalScale) -> ModuleResult:
-    """An NVFP4 linear (uint8 [R, C/2], float8_e4m3fn [R, C/16], its global scale) as int4 group 32."""
+def requantize_module(packed: torch.Tensor, block_scales: torch.Tensor, gscale: GlobalScale,
+                      device: torch.device | str = "cpu") -> ModuleResult:
+    """An NVFP4 linear (uint8 [R, C/2], float8_e4m3fn [R, C/16], its global scale) as int4 group 32,
+    computed on ``device`` (a GPU: the Triton search; the bytes are the CPU's)."""
     rows, cols = packed.shape[0], packed.shape[1] * 2
+    packed, block_scales = packed.to(device), block_scales.to(device)
     v = decode(packed, block_scales, gscale)
     groups = v.reshape(-1, GROUP)
-    ours, theirs = optimal(groups), server_rule(groups)
+    theirs = server_rule(groups)
+    if packed.device.type != "cpu":       # the Triton kernel: scales, codes and figures in one pass
+        from ..kernels.triton_nvfp4 import requantize
+        s, words, err, ref, amax = requantize(packed.reshape(-1, 16), block_scales.reshape(-1, 2),
+                                              gscale.value, gscale.divide)
+        bad = (s != 0) & ((s < BF16_MIN_NORMAL) | (s > BF16_MAX))
+        scales = s.to(torch.bfloat16).reshape(rows, cols // GROUP).cpu()
+        return ModuleResult(words.reshape(rows, cols // 8).cpu(), scales,
+                            float(err.sum()), float(ref.sum()), float(theirs.err2.sum()),
+                            float(amax.max()) if amax.numel() else 0.0, int(bad.sum()))
+    ours = optimal(groups, search(packed, block_scales, gscale))
     diff = ours.q.double() * ours.scale.double().unsqueeze(1) - groups
     return ModuleResult(pack_int4(ours.q.reshape(rows, cols)), ours.scale.reshape(rows, cols // GROUP),
                         float(ours.err2.sum()), float((groups * groups).sum()), float(theirs.err2.sum()),

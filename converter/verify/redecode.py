@@ -21,14 +21,17 @@ OPT_GROUPS = 8         # groups per tensor checked against a brute-force optimum
 OPT_TENSORS = 8        # tensors whose groups are checked that way (the first sampled ones)
 
 
-def nvfp4_values(s_t: Tensors, m: str, quant: dict):
-    """Module ``m``'s NVFP4 values in float64 (``nvfp4_requant.decode``), its three tensors and how its
-    global scale applies as the manifest's source record says; KeyError names a missing tensor."""
-    from ..quant.nvfp4_requant import GlobalScale, decode
+def nvfp4_module(s_t: Tensors, m: str, quant: dict, device):
+    """Module ``m``'s NVFP4 values in float64 (``nvfp4_requant.decode``) on ``device`` and the scales the
+    conversion's own search (``nvfp4_requant.search``, the Triton kernel on a GPU) gives its groups; names
+    and how the global scale applies as the manifest's source record says; KeyError names a missing tensor."""
+    from ..quant.nvfp4_requant import GlobalScale, decode, search
 
     g = s_t.get(f"{m}.{quant['global_suffix']}")
-    return decode(s_t.get(f"{m}.{quant['packed_suffix']}"), s_t.get(f"{m}.{quant.get('scale_suffix', SCALE)}"),
-                  GlobalScale(float(g.reshape(())), quant.get("global_applies") == "divide"))
+    gs = GlobalScale(float(g.reshape(())), quant.get("global_applies") == "divide")
+    packed = s_t.get(f"{m}.{quant['packed_suffix']}").to(device)
+    scales = s_t.get(f"{m}.{quant.get('scale_suffix', SCALE)}").to(device)
+    return decode(packed, scales, gs), search(packed, scales, gs)
 
 
 def run(ctx: Context) -> list[Check]:
@@ -54,11 +57,14 @@ def run(ctx: Context) -> list[Check]:
     nvfp4_source = quant.get("dialect") == NVFP4   # E4M3 scales per 16 and a global scale (docs/nvfp4.md)
     names = spread(sorted(rows), ctx.sample)
     worst_dev, opt_groups = 0.0, 0
+    # NVFP4: every group is held to the conversion's search, on a GPU when there is one (docs/nvfp4.md §5)
+    on = torch.device("cuda" if nvfp4_source and torch.cuda.is_available() else "cpu")
+    searched = 0
     for i, name in enumerate(names):
         m = name[: -len(PACKED) - 1]
         try:
             if nvfp4_source:
-                w = nvfp4_values(s_t, m, quant)
+                w, searched_s = nvfp4_module(s_t, m, quant, on)
             else:
                 src_packed, src_scales = s_t.get(f"{m}.{packed_suffix}"), s_t.get(f"{m}.{scale_suffix}")
                 if src_scales.dtype == torch.float8_e8m0fnu:   # safetensors F8_E8M0: the same bytes as uint8
@@ -72,7 +78,7 @@ def run(ctx: Context) -> list[Check]:
             if shape != list(w.shape):
                 c.fail(f"{m}: {SHAPE} {shape}, the source is {list(w.shape)}")
                 continue
-            words, int4_scales = d_t.get(f"{m}.{PACKED}"), d_t.get(f"{m}.{SCALE}")
+            words, int4_scales = d_t.get(f"{m}.{PACKED}").to(on), d_t.get(f"{m}.{SCALE}").to(on)
             wq = read_int4(words, int4_scales, shape)
         except Exception as e:  # missing or malformed output tensors: the structure checks say which
             c.fail(f"{m}: cannot be read back ({type(e).__name__}: {e})")
@@ -92,6 +98,15 @@ def run(ctx: Context) -> list[Check]:
         max_abs = float(diff.abs().max()) if diff.numel() else 0.0
         if abs(max_abs - rows[name]["max_abs"]) > REL_TOL * max(rows[name]["max_abs"], 1e-30):
             c.fail(f"{name}: re-decoded max abs error {max_abs:.9g}, table says {rows[name]['max_abs']:.9g}")
+        if nvfp4_source and rule.optimum:
+            from ..quant.nvfp4_requant import quantize
+
+            groups = w.reshape(-1, 32)
+            same = (wq.reshape(-1, 32) == quantize(groups, searched_s).double() * searched_s.unsqueeze(1)).all(1)
+            same &= int4_scales.reshape(-1).double() == searched_s
+            if not bool(same.all()):
+                opt.fail(f"{m}: {int((~same).sum())} of {same.numel()} group(s) differ from the search's optimum")
+            searched += same.numel()
         if rule.optimum and rule.qmin > -8 and has_minus_8(words):
             opt.fail(f"{m}: code -8 written, outside the {rule} rule's range [{rule.qmin}, 7]")
         if not rule.optimum and nvfp4_source:
@@ -99,10 +114,10 @@ def run(ctx: Context) -> list[Check]:
         elif not rule.optimum:
             opt_groups += same_as_rule(m, src_packed, src_scales, bias, words, int4_scales, opt)
         elif i < OPT_TENSORS:
-            g_err = (diff * diff).reshape(-1, 32).sum(1)
+            g_err = (diff * diff).reshape(-1, 32).sum(1).cpu()
             picks = torch.unique(torch.cat((g_err.topk(min(OPT_GROUPS // 2, g_err.numel())).indices,
                                             torch.linspace(0, g_err.numel() - 1, OPT_GROUPS // 2).long())))
-            best = brute_force_min(w.reshape(-1, 32)[picks], OPTIMA[rule])
+            best = brute_force_min(w.reshape(-1, 32)[picks.to(on)].cpu(), OPTIMA[rule])
             for g, err, b in zip(picks.tolist(), g_err[picks].tolist(), best.tolist()):
                 if err > b * (1 + 1e-12) + 1e-300:
                     opt.fail(f"{m}: group {g} has squared error {err:.6g}, the best bf16 scale gives {b:.6g}")
@@ -114,6 +129,8 @@ def run(ctx: Context) -> list[Check]:
         + (f" (codes [{OPTIMA[rule]}, 7]; no -8 in {len(names)} tensor(s))" if OPTIMA[rule] > -8 else "") \
         if rule in OPTIMA else f"{opt_groups} group(s) of {len(names)} tensor(s) byte-identical to the {rule} rule " \
         "(quant/server_rule.py) applied to the source bytes"
+    if searched:
+        opt.summary += f"; all {searched} group(s) at the search's optimum (nvfp4_requant.search, {on.type})"
     if not names:
         c.skipped = opt.skipped = True
     return [c, opt]

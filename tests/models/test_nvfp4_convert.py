@@ -213,6 +213,8 @@ def test_verify_source_passes_and_a_flipped_word_fails(layout, sources, converte
     assert run_cli("verify", converted[layout], "--serving", "vllm-rocm").exit_code == 0   # the same int4 layout
     assert r.check("re-decode").summary.startswith(f"{len(EXPERTS_OF)} of {len(EXPERTS_OF)}")
     assert int(r.check("optimality").summary.split()[0]) > 0   # sampled groups held to the brute force
+    # and every group to the conversion's own search (issue 42 §3)
+    assert r.check("optimality").summary.endswith("at the search's optimum (nvfp4_requant.search, cpu)")
     dst = str(tmp_path / "dst")
     shutil.copytree(converted[layout], dst)
     m = EXPERTS_OF[5]
@@ -231,6 +233,7 @@ def test_verify_source_passes_and_a_flipped_word_fails(layout, sources, converte
     assert "re-decode" in failed and any(m in p for p in r.check("re-decode").problems)
     # the word's group is sampled (group 0 of one of the first 8 tensors) and now beaten by brute force
     assert "optimality" in failed and any(f"{m}: group 0 " in p for p in r.check("optimality").problems)
+    assert any(f"{m}: 1 of " in p and "differ from the search's optimum" in p for p in r.check("optimality").problems)
 
 
 def test_verify_holds_the_manifest_to_the_sources_own_format(converted, tmp_path):

@@ -131,3 +131,25 @@ def test_server_rule_kernel_compiles_for_amd(arch: str) -> None:
     assert nums["instructions"] > 0 and ("buffer_atomic" in asm or "global_atomic" in asm), \
         "no atomics: the statistics were compiled away"
     assert nums["vgpr_spills"] == 0 and nums["scratch_bytes"] == 0, nums
+
+
+@needs_amd
+@pytest.mark.parametrize("divide", [True, False], ids=["divide", "multiply"])
+@pytest.mark.parametrize("arch", report.ARCHS)
+def test_nvfp4_search_kernel_compiles_for_amd(arch: str, divide: bool) -> None:
+    """The NVFP4 scale search (kernels/triton_nvfp4.py, plain Triton) builds for CDNA at its launch
+    configuration without spills or scratch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from converter.kernels.triton_nvfp4 import BG, NUM_WARPS, SLOTS, _search_kernel
+
+    sig = {"packed_ptr": "*u8", "sbytes_ptr": "*u8", "g_ptr": "*fp64", "scale_ptr": "*fp64", "words_ptr": "*i32",
+           "err_ptr": "*fp64", "ref_ptr": "*fp64", "amax_ptr": "*fp64", "G": "i32",
+           "DIVIDE": "constexpr", "BG": "constexpr", "SLOTS": "constexpr"}
+    src = ASTSource(fn=_search_kernel, signature=sig, constexprs={"DIVIDE": divide, "BG": BG, "SLOTS": SLOTS})
+    compiled = triton.compile(src, target=GPUTarget("hip", arch, 64),
+                              options={"num_warps": NUM_WARPS, "num_stages": 1, "enable_fp_fusion": False})
+    nums = report.parse_amdgcn(compiled.asm["amdgcn"])
+    assert nums["instructions"] > 0 and nums["vgpr_spills"] == 0 and nums["scratch_bytes"] == 0, nums
