@@ -16,8 +16,8 @@ int4 code changes (docs/nvfp4.md §3 has the proof):
 
 ``search`` runs it as a numba kernel on every core (CPU tensors) or as the Triton kernel
 ``kernels/triton_nvfp4.py`` (GPU tensors), the same float64 operations, the same bytes;
-``tests/formats/test_nvfp4.py`` and ``tests/quant/kernels/test_nvfp4_gpu.py`` compare with the exhaustive search over every
-bf16 scale.
+``tests/formats/test_nvfp4.py`` and ``tests/quant/kernels/test_nvfp4_gpu.py`` compare with the exhaustive
+search over every bf16 scale.
 """
 from __future__ import annotations
 
