@@ -7,11 +7,11 @@ import re
 
 import click
 import pytest
-from tests.conftest import INDEX, MANIFEST, REPORT, read_json, run_cli, sha256, shard_names
 
 from converter.cli import main
 from converter.run.options import default_dst
 from tests import support  # noqa: E402  (REPO, DATA, SUPPORT)
+from tests.conftest import INDEX, MANIFEST, REPORT, read_json, run_cli, sha256, shard_names
 
 
 def _long_opts(cmd: click.Command) -> list[str]:

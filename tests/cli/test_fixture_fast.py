@@ -8,10 +8,10 @@ import re
 
 import pytest
 import torch
-from tests.conftest import all_tensors, ct_mxfp4_values, run_cli, tree_hash
 
 from converter.fixture import Draw, FixtureSpec, make_fixture
 from tests import support  # noqa: E402  (REPO, DATA, SUPPORT)
+from tests.conftest import all_tensors, ct_mxfp4_values, run_cli, tree_hash
 
 LAUNCH = ["--no-checksums", "--serving", "vllm-rocm-plugin", "--tp", "8", "--ep"]
 README = os.path.join(str(support.REPO), "README.md")

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-from tests.conftest import MANIFEST, REPORT, SPEC, TABLE, assert_clean_error, assert_not_complete, run_cli, shard_names
 from dst_helpers import CPU, REPO, convert_cli, dry_run, profile_copy
 
 from converter.errors import BadInput
@@ -21,6 +20,7 @@ from converter.run import selection, workers as run_workers
 from converter.run.options import Options
 from converter.run.pipeline import convert
 from converter.run.selection import select_shards
+from tests.conftest import MANIFEST, REPORT, SPEC, TABLE, assert_clean_error, assert_not_complete, run_cli, shard_names
 
 # ---------------------------------------- R10, R12, S10, S11: job files, typed as the command line
 

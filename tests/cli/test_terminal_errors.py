@@ -11,8 +11,9 @@ import sys
 import tempfile
 
 import pytest
-from tests.conftest import assert_clean_error, run_cli
 from dst_helpers import REPO, complete, mounted_tmpfs, verified
+
+from tests.conftest import assert_clean_error, run_cli
 
 
 def cli(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:

@@ -13,6 +13,13 @@ import shutil
 
 import pytest
 import torch
+
+from converter.errors import BadInput
+from converter.formats.auto_round import AutoRoundSource, auto_round_source
+from converter.run.options import Options
+from converter.run.pipeline import convert
+from converter.verify import brute_force_min
+from tests import support  # noqa: E402  (REPO, DATA, SUPPORT)
 from tests.conftest import (
     MANIFEST,
     all_tensors,
@@ -22,13 +29,6 @@ from tests.conftest import (
     read_json,
     with_config,
 )
-
-from converter.errors import BadInput
-from converter.formats.auto_round import AutoRoundSource, auto_round_source
-from converter.run.options import Options
-from converter.run.pipeline import convert
-from converter.verify import brute_force_min
-from tests import support  # noqa: E402  (REPO, DATA, SUPPORT)
 
 SRC = os.path.join(str(support.DATA), "auto-round", "mxfp4")
 LAYER = "model.layers.0"
@@ -174,6 +174,7 @@ def test_minimax_m3_in_auto_rounds_format_gives_the_llm_compressor_exports_int4(
     """The same MiniMax-M3 bytes described by auto-round's own config convert (profile minimax-m3-auto-round:
     inventory, swiglu fields) to int4 byte-identical to its llm_compressor-format export's, and verify passes."""
     import minimax_m3_fixture as mm3
+
     from tests.conftest import tensor_bytes, write_json
 
     lc, ar = str(tmp_path / "lc"), str(tmp_path / "ar")

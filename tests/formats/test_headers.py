@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tests.conftest import tensor_bytes
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from converter.errors import BadInput
 from converter.formats.safetensors_io import read_header
+from tests.conftest import tensor_bytes
 
 LIB_MAX_HEADER = 100_000_000  # safetensors/src/tensor.rs MAX_HEADER_SIZE, not our constant
 NO_TORCH_DTYPE = {"F6_E2M3", "F6_E3M2"}  # valid in a header; safe_open(framework="pt") cannot load them

@@ -17,7 +17,6 @@ from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 from compressed_tensors.quantization import QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.quant_scheme import NVFP4A16
-from tests.conftest import ct_int4_q
 from safetensors.torch import load_file
 
 from converter.errors import BadInput
@@ -25,6 +24,7 @@ from converter.formats import nvfp4
 from converter.quant import nvfp4_requant as nv
 from converter.verify import brute_force_min
 from tests import support  # noqa: E402  (REPO, DATA, SUPPORT)
+from tests.conftest import ct_int4_q
 
 # safetensors' dtype names of torch's: the header checks (Nvfp4Source.problem) applied to loaded tensors
 ST_DTYPE = {"uint8": "U8", "float8_e4m3fn": "F8_E4M3", "float32": "F32"}
@@ -283,9 +283,8 @@ def test_mxfp4_to_int4_converts_auto_rounds_nvfp4_exports(tmp_path, name):
     """auto-round's own exports (either format; W4A4, so with the flag) convert and verify against the
     source: every packed linear at requantize_module's bytes, the manifest naming the writer's NVFP4.
     (Before, the command refused NVFP4 checkpoints in one line.)"""
-    from tests.conftest import all_tensors, read_json, run_cli
-
     from converter.verify import verify
+    from tests.conftest import all_tensors, read_json, run_cli
     src, dst = os.path.join(DATA, name), str(tmp_path / "dst")
     r = run_cli("mxfp4-to-int4", src, "-o", dst, "--drop-activation-quant", "--progress", "none")
     assert r.exit_code == 0, (r.output, r.exception)

@@ -14,15 +14,15 @@ import os
 import subprocess
 
 import pytest
-from tests.conftest import INDEX, TABLE, all_tensors, read_json, run_cli, tensor_bytes, write_json
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
-from tests.models.test_nvfp4_convert import EXPERTS_OF, _config, _ct_quant, _tensors
 
 from converter.state.records import read_rows
 from converter.verify import verify
+from tests import support
+from tests.conftest import INDEX, TABLE, all_tensors, read_json, run_cli, tensor_bytes, write_json
+from tests.models.test_nvfp4_convert import EXPERTS_OF, _config, _ct_quant, _tensors
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 LLMC_PYTHON = os.environ.get("K3CONVERT_LLMC_PYTHON")
 REQUIRE = os.environ.get("K3CONVERT_REQUIRE_VLLM") == "1"   # CI: the llm-compressor environment must be there
 
@@ -90,7 +90,7 @@ def test_llm_compressors_own_sharded_export_converts_as_its_unsharded_one(tmp_pa
         reason = f"$K3CONVERT_LLMC_PYTHON is {LLMC_PYTHON!r}: no llm-compressor environment (.ci/run makes one)"
         pytest.fail(reason) if REQUIRE else pytest.skip(reason)
     root = tmp_path / "llmc"
-    r = subprocess.run([LLMC_PYTHON, os.path.join(HERE, "llmc_nvfp4_export.py"), str(root), "20KB"],
+    r = subprocess.run([LLMC_PYTHON, os.path.join(str(support.SUPPORT), "llmc_nvfp4_export.py"), str(root), "20KB"],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     sharded = str(root / "sharded")
@@ -103,8 +103,9 @@ def test_from_the_hub_a_previous_shards_global_scale_and_hf_quant_config_are_rea
     previous shard waits for it as for any partner, and a ModelOpt <= 0.27 repository's hf_quant_config.json
     (a side file of the view) is its statement; each output equals the local conversion of the same files."""
     from hub_server import HubServer
-    from tests.hub.test_hub_source import cli
+
     from tests.formats.test_nvfp4 import to_modelopt
+    from tests.hub.test_hub_source import cli
     from tests.models.test_nvfp4_convert import MODELOPT_CONFIG
 
     sd = dict(sorted(_tensors().items()))

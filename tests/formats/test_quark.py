@@ -24,6 +24,20 @@ import pytest
 import torch
 from compressed_tensors.quantization import QuantizationConfig
 from compressed_tensors.utils import match_named_modules, match_quantizable_tensors
+from quark_fixture import (
+    KNOWN_MODULE,
+    TINY_CONFIG,
+    export_quark_mxfp4,
+    known_rows,
+    load_reference_model,
+    quark_dequantize,
+)
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from converter.run.options import Options
+from converter.run.pipeline import convert
+from converter.verify import brute_force_min
 from tests.conftest import (
     MANIFEST,
     REPORT,
@@ -36,22 +50,8 @@ from tests.conftest import (
     tree_hash,
     write_json,
 )
-from quark_fixture import (
-    KNOWN_MODULE,
-    TINY_CONFIG,
-    export_quark_mxfp4,
-    known_rows,
-    load_reference_model,
-    quark_dequantize,
-)
-from safetensors.torch import save_file
-from tests.run.test_bad_input import refused
 from tests.models.test_real_loader import load as load_dst
-from transformers import AutoConfig, AutoModelForCausalLM
-
-from converter.run.options import Options
-from converter.run.pipeline import convert
-from converter.verify import brute_force_min
+from tests.run.test_bad_input import refused
 
 DROP = "--drop-activation-quant"
 LAYERS, EXPERTS = TINY_CONFIG["num_hidden_layers"], TINY_CONFIG["num_experts"]

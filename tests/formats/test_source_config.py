@@ -19,13 +19,13 @@ from compressed_tensors.config import Sparse24BitMaskConfig
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
-from tests.conftest import REPORT, assert_not_complete, ct_int4_q, read_json, write_json
 from safetensors.torch import load_file
-from tests.models.test_profiles import CT013, converts, ct013_copy, refused
 
 from converter.fixture import IGNORE
 from converter.run.plan import build_plan
 from converter.verify import brute_force_min
+from tests.conftest import REPORT, assert_not_complete, ct_int4_q, read_json, write_json
+from tests.models.test_profiles import CT013, converts, ct013_copy, refused
 
 CT_EXPERTS = "model.layers.1.block_sparse_moe.experts."
 MXFP4 = PRESET_SCHEMES["MXFP4"]  # W4A4: MXFP4 weights, dynamic MXFP4 input activations

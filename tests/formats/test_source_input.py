@@ -18,6 +18,14 @@ import minimax_m3_fixture as mm3
 import pytest
 import serving_rules as serving
 import torch
+from dst_helpers import CONFIG, MOD, edit_json, quant_block
+from safetensors import safe_open
+
+from converter.fixture import FixtureSpec, config as k3_config
+from converter.formats import mxfp4
+from converter.formats.dialect import int4_block
+from converter.verify import brute_force_min
+from converter.vllm_plugin import route
 from tests.conftest import (
     INDEX,
     assert_clean_error,
@@ -31,14 +39,6 @@ from tests.conftest import (
     sync_index,
     write_json,
 )
-from dst_helpers import CONFIG, MOD, edit_json, quant_block
-from safetensors import safe_open
-
-from converter.fixture import FixtureSpec, config as k3_config
-from converter.formats import mxfp4
-from converter.formats.dialect import int4_block
-from converter.verify import brute_force_min
-from converter.vllm_plugin import route
 
 
 def convert(src: str, dst: str, *more: str):

@@ -218,9 +218,8 @@ def test_the_card_states_each_releases_memory_at_its_own_default():
     MI300X while 0.34.0 (1.0) does: one memory line per release, each with its GB for the KV cache."""
     from types import SimpleNamespace
 
-    from tests.servers.test_serving import k3_headers
-
     from converter.servers import launches
+    from tests.servers.test_serving import k3_headers
     config, tensors = k3_headers(layers=92, experts=896)
     config["text_config"]["num_hidden_layers"] = 93
     tensors["language_model.model.embed_tokens.weight"] = SimpleNamespace(dtype="BF16", shape=(15_000_000_000 // 7168,

@@ -11,7 +11,6 @@ import os
 import shutil
 
 import pytest
-from tests.conftest import chunked_sha256, read_json, shard_names
 from dst_helpers import convert_cli, copy_dst, in_thread, release_fifo
 from hub_standin import RecordingApi
 
@@ -20,6 +19,7 @@ from converter.hub.upload import model_card, upload, upload_files
 from converter.state.files import MANIFEST
 from converter.state.records import write_json
 from converter.verify import verify
+from tests.conftest import chunked_sha256, read_json, shard_names
 
 
 def test_d6_card_states_the_configs_activation(converted, tmp_path):

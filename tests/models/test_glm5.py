@@ -12,6 +12,11 @@ import re
 import glm5_fixture as glm
 import pytest
 import torch
+
+from converter.errors import BadInput
+from converter.formats.match import match_name
+from converter.run.options import Options
+from converter.run.pipeline import convert
 from tests.conftest import (
     all_tensors,
     assert_verified_and_on_triton,
@@ -21,11 +26,6 @@ from tests.conftest import (
     read_json,
     tensor_bytes,
 )
-
-from converter.errors import BadInput
-from converter.formats.match import match_name
-from converter.run.options import Options
-from converter.run.pipeline import convert
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +115,8 @@ def test_the_template_as_shipped_keeps_shared_experts_as_exact_bf16(shipped, don
 def test_verify_catches_a_changed_bf16_value_of_a_dequantized_module(shipped, tmp_path):
     import shutil
 
-    from tests.conftest import rewrite_shard
-
     from converter.verify import verify
+    from tests.conftest import rewrite_shard
     src, dst = shipped
     bad = str(tmp_path / "dst")
     shutil.copytree(dst, bad)
@@ -221,9 +220,8 @@ def test_a_dequantized_modules_scale_in_another_shard(shipped, tmp_path):
     offset, recorded as a partner shard (resume and job arrays see it), and gives the same bytes."""
     import shutil
 
-    from tests.conftest import load_shard, rewrite_shard, sync_index
-
     from converter.run.plan import build_plan
+    from tests.conftest import load_shard, rewrite_shard, sync_index
     src, dst = shipped
     moved, out = str(tmp_path / "src"), str(tmp_path / "dst")
     shutil.copytree(src, moved)

@@ -7,13 +7,13 @@ import os
 
 import pytest
 import serving_rules as serving
-from tests.conftest import ct_mxfp4_encode, read_json, run_cli, shard_names, sync_index, write_json
 
 from converter.errors import BadInput
 from converter.fixture import FixtureSpec, make_fixture
 from converter.run.options import Options
 from converter.run.pipeline import convert
 from converter.state.files import MANIFEST
+from tests.conftest import ct_mxfp4_encode, read_json, run_cli, shard_names, sync_index, write_json
 
 # hidden and per-rank intermediate multiples of 128: sizes the plugin's kernel takes unpadded at TP 1
 K31 = FixtureSpec(layers=3, experts=4, hidden=128, inter=256, latent=128, shards=2, vocab=64, seed=31,

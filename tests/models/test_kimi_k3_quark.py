@@ -12,6 +12,10 @@ import shutil
 
 import pytest
 import torch
+from glm5_fixture import EXPORT  # amd-quark's file2file export block (file2file_quantization.py 2289-2295)
+
+from converter.run.options import Options
+from converter.run.pipeline import convert
 from tests.conftest import (
     all_tensors,
     ct_mxfp4_values,
@@ -23,10 +27,6 @@ from tests.conftest import (
     tensor_bytes,
     write_json,
 )
-from glm5_fixture import EXPORT  # amd-quark's file2file export block (file2file_quantization.py 2289-2295)
-
-from converter.run.options import Options
-from converter.run.pipeline import convert
 
 
 def write_quark_k3(ct_src: str, dst: str) -> list[str]:

@@ -16,6 +16,11 @@ import os
 import ling_fixture as ling
 import pytest
 import torch
+
+from converter.errors import BadInput
+from converter.formats.match import match_name
+from converter.run.options import Options
+from converter.run.pipeline import convert
 from tests.conftest import (
     all_tensors,
     assert_missing_module_named,
@@ -27,11 +32,6 @@ from tests.conftest import (
     tensor_bytes,
     with_config,
 )
-
-from converter.errors import BadInput
-from converter.formats.match import match_name
-from converter.run.options import Options
-from converter.run.pipeline import convert
 
 
 @pytest.fixture(scope="module")

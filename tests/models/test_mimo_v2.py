@@ -15,6 +15,12 @@ import mimo_v2_fixture as mimo
 import pytest
 import serving_rules as serving
 import torch
+
+from converter.errors import BadInput
+from converter.formats.match import match_name
+from converter.run.options import Options
+from converter.run.pipeline import convert
+from converter.verify import verify
 from tests.conftest import (
     all_tensors,
     assert_verified_and_on_triton,
@@ -25,12 +31,6 @@ from tests.conftest import (
     tensor_bytes,
     with_config,
 )
-
-from converter.errors import BadInput
-from converter.formats.match import match_name
-from converter.run.options import Options
-from converter.run.pipeline import convert
-from converter.verify import verify
 
 
 @pytest.fixture(scope="module")

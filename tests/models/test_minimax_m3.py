@@ -15,6 +15,10 @@ import minimax_m3_fixture as mm3
 import pytest
 import serving_rules as serving
 import torch
+
+from converter.formats.match import match_name
+from converter.run.options import Options
+from converter.run.pipeline import convert
 from tests.conftest import (
     all_tensors,
     assert_missing_module_named,
@@ -24,10 +28,6 @@ from tests.conftest import (
     read_json,
     tensor_bytes,
 )
-
-from converter.formats.match import match_name
-from converter.run.options import Options
-from converter.run.pipeline import convert
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +98,9 @@ def test_a_non_expert_mxfp4_linear_becomes_exact_bf16(done, tmp_path):
     """The profile converts routed experts only: an MXFP4 attention linear (compressed-tensors names:
     X.weight_packed) becomes a plain bf16 X.weight holding exactly its MXFP4 values, left out of the
     int4 targets, and verify --source checks it; the experts are the same int4 as without it."""
-    from tests.conftest import assert_verified_and_on_triton, ct_mxfp4_encode, write_json
     from safetensors.torch import load_file, save_file
+
+    from tests.conftest import assert_verified_and_on_triton, ct_mxfp4_encode, write_json
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     mm3.write(src)

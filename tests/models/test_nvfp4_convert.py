@@ -19,6 +19,11 @@ from compressed_tensors.compressors import NVFP4PackedCompressor, PackedQuantiza
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import NVFP4A16
 from compressed_tensors.quantization.utils.helpers import generate_gparam
+from safetensors.torch import save_file
+
+from converter.quant import nvfp4_requant as nv
+from converter.state.records import read_rows
+from converter.verify import verify
 from tests.conftest import (
     INDEX,
     MANIFEST,
@@ -35,13 +40,7 @@ from tests.conftest import (
     tree_hash,
     write_json,
 )
-from safetensors.torch import save_file
-
 from tests.formats.test_nvfp4 import to_modelopt
-
-from converter.quant import nvfp4_requant as nv
-from converter.state.records import read_rows
-from converter.verify import verify
 
 HIDDEN, INTER, EXPERTS, LAYERS, VOCAB = 64, 96, 4, 2, 32
 SCHEME = QuantizationScheme(targets=["Linear"], **NVFP4A16)

@@ -13,6 +13,11 @@ import shutil
 import sys
 
 import pytest
+
+from converter import profiles
+from converter.fixture import FixtureSpec, config as k3_config
+from converter.inspect import format_info, inspect_path
+from tests import support  # noqa: E402  (REPO, DATA, SUPPORT)
 from tests.conftest import (
     INDEX,
     MANIFEST,
@@ -28,11 +33,6 @@ from tests.conftest import (
     tree_hash,
     write_json,
 )
-
-from converter import profiles
-from converter.fixture import FixtureSpec, config as k3_config
-from converter.inspect import format_info, inspect_path
-from tests import support  # noqa: E402  (REPO, DATA, SUPPORT)
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 import transformers
-from tests.conftest import ct_int4_q, ct_mxfp4_values
 from mixtral_fixture import SIZES, tiny_mixtral, write_mxfp4_checkpoint
 from safetensors.torch import load_file
 
 from converter.run.options import Options
 from converter.run.pipeline import convert
+from tests.conftest import ct_int4_q, ct_mxfp4_values
 
 LAYERS, EXPERTS = SIZES["num_hidden_layers"], SIZES["num_local_experts"]
 TOKENS = torch.randint(0, SIZES["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(0))

@@ -16,6 +16,7 @@ import re
 
 import glm5_fixture as glm
 import pytest
+
 from tests.vllm_plugin.test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods
 
 LOOKUP = re.compile(r"^language_model\.model\.layers\.[12]\.mlp\.experts\.0\.(gate|up|down)_proj$")

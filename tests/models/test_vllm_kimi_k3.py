@@ -26,15 +26,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tests.conftest import read_json, write_json
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tests.vllm_plugin.test_vllm_quant_methods import MOE_INT4, vllm_python
 
 from converter.fixture import FixtureSpec, make_fixture
 from converter.run.options import Options
 from converter.run.pipeline import convert
 from tests import support  # noqa: E402  (REPO, DATA, SUPPORT)
+from tests.conftest import read_json, write_json
+from tests.vllm_plugin.test_vllm_quant_methods import MOE_INT4, vllm_python
 
 SCRIPT = os.path.join(str(support.SUPPORT), "vllm_scripts", "linear_values.py")
 INDEX = "model.safetensors.index.json"

@@ -16,13 +16,13 @@ import subprocess
 
 import ling_fixture as ling
 import pytest
-from tests.conftest import read_json
-from tests.models.test_vllm_mimo_v2 import FP8_INPUT, FP8_WEIGHT
-from tests.vllm_plugin.test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods, vllm_python
 
 from converter.run.options import Options
 from converter.run.pipeline import convert
 from tests import support  # noqa: E402  (REPO, DATA, SUPPORT)
+from tests.conftest import read_json
+from tests.models.test_vllm_mimo_v2 import FP8_INPUT, FP8_WEIGHT
+from tests.vllm_plugin.test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods, vllm_python
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ from __future__ import annotations
 import mimo_v2_fixture as mimo
 import pytest
 import serving_rules as serving
-from tests.vllm_plugin.test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods
 
 from converter.run.options import Options
 from converter.run.pipeline import convert
+from tests.vllm_plugin.test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods
 
 FP8_WEIGHT = "QuantKey(f8e4m3fn,scale(f32,static,GroupShape(row=128, col=128)),symmetric)"
 FP8_INPUT = "QuantKey(f8e4m3fn,scale(f32,dynamic,GroupShape(row=1, col=128)),symmetric)"

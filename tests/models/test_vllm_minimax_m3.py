@@ -14,6 +14,7 @@ import re
 
 import minimax_m3_fixture as mm3
 import pytest
+
 from tests.vllm_plugin.test_vllm_quant_methods import MOE_INT4, UNQUANTIZED, model_methods
 
 LOOKUP = re.compile(r"^language_model\.model\.layers\.\d+\.block_sparse_moe\.experts\.0\.(gate|up|down)_proj$")

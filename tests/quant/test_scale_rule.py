@@ -15,7 +15,6 @@ import os
 import numpy as np
 import pytest
 import torch
-from tests.conftest import ct_int4_q, raw_header, read_json, run_cli
 from interpreted import run_interpreted
 from safetensors import safe_open
 
@@ -23,6 +22,7 @@ from converter.quant import cpu_kernel, server_rule
 from converter.quant.rules import optimum_qmin
 from converter.run.options import Options
 from converter.verify import verify
+from tests.conftest import ct_int4_q, raw_header, read_json, run_cli
 
 MXFP4_LIST = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 

@@ -7,6 +7,8 @@ import re
 
 import pytest
 import torch
+
+from converter.errors import BadInput
 from tests.conftest import (
     INDEX,
     all_tensors,
@@ -22,8 +24,6 @@ from tests.conftest import (
     tree_hash,
     write_json,
 )
-
-from converter.errors import BadInput
 
 CODE = BadInput.exit_code
 

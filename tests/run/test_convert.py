@@ -10,6 +10,13 @@ import pytest
 import torch
 from compressed_tensors.compressors import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationConfig
+
+from converter.errors import OutputError, ThresholdExceeded
+from converter.fixture import make_fixture
+from converter.formats import int4
+from converter.run.options import Options
+from converter.run.pipeline import convert
+from converter.state.records import read_rows
 from tests.conftest import (
     INDEX,
     MANIFEST,
@@ -33,13 +40,6 @@ from tests.conftest import (
     tree_hash,
     write_json,
 )
-
-from converter.errors import OutputError, ThresholdExceeded
-from converter.fixture import make_fixture
-from converter.formats import int4
-from converter.run.options import Options
-from converter.run.pipeline import convert
-from converter.state.records import read_rows
 
 SITU = ("hidden_act", "activation_situ_beta", "activation_situ_linear_beta")
 SIDE_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json", "modeling_kimi_k3.py")

@@ -18,7 +18,6 @@ import sys
 import time
 
 import pytest
-from tests.conftest import MANIFEST, assert_clean_error, assert_not_complete, read_json, run_cli, tree_hash
 from dst_helpers import CPU, REPO, complete, convert_cli, copy_dst, dry_run, profile_copy, same_output, verified
 from loop_mounts import two_mounts  # noqa: F401 (a fixture)
 
@@ -29,6 +28,7 @@ from converter.run.pipeline import convert
 from converter.state import records as manifest_mod
 from converter.state.files import STATE_DIR
 from converter.state.locks import reading
+from tests.conftest import MANIFEST, assert_clean_error, assert_not_complete, read_json, run_cli, tree_hash
 
 
 def manifest(dst: str) -> dict:

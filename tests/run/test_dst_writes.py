@@ -19,6 +19,14 @@ import sys
 from collections import namedtuple
 
 import pytest
+from dst_helpers import CPU, REPO, cli_verify, complete, convert_cli, copy_dst, same_output, temporaries
+
+from converter.run import dst as run_dst, finalize as run_finalize, pipeline, space
+from converter.run.options import Options
+from converter.run.pipeline import convert
+from converter.run.plan import build_plan
+from converter.state import records as manifest_mod
+from converter.state.files import STATE_DIR
 from tests.conftest import (
     INDEX,
     MANIFEST,
@@ -31,14 +39,6 @@ from tests.conftest import (
     shard_names,
     tree_hash,
 )
-from dst_helpers import CPU, REPO, cli_verify, complete, convert_cli, copy_dst, same_output, temporaries
-
-from converter.run import dst as run_dst, finalize as run_finalize, pipeline, space
-from converter.run.options import Options
-from converter.run.pipeline import convert
-from converter.run.plan import build_plan
-from converter.state import records as manifest_mod
-from converter.state.files import STATE_DIR
 
 # ---------------------------------------- D12, D16, D21: a failed write or commit leaves nothing that looks complete
 

@@ -26,7 +26,6 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from tests.conftest import sha256, shard_names, tree_hash
 
 import converter.fixture as fixture_mod
 from converter.cli import main as cli_main
@@ -37,6 +36,7 @@ from converter.run import pipeline
 from converter.run.options import Options
 from converter.run.pipeline import convert
 from converter.run.plan import build_plan
+from tests.conftest import sha256, shard_names, tree_hash
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = "k3convert_manifest.json"

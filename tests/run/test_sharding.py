@@ -35,6 +35,16 @@ from typing import Callable
 import pytest
 import torch
 from compressed_tensors.compressors import MXFP4PackedCompressor
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import converter.run.shard as shard_mod
+from converter.errors import Interrupted, OutputError
+from converter.fixture import FixtureSpec, config as k3_config
+from converter.inspect import inspect_path
+from converter.run.options import Options
+from converter.run.pipeline import convert
 from tests.conftest import (
     INDEX,
     MANIFEST,
@@ -52,16 +62,6 @@ from tests.conftest import (
     tree_hash,
     write_json,
 )
-from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-import converter.run.shard as shard_mod
-from converter.errors import Interrupted, OutputError
-from converter.fixture import FixtureSpec, config as k3_config
-from converter.inspect import inspect_path
-from converter.run.options import Options
-from converter.run.pipeline import convert
 
 REPO = Path(__file__).resolve().parents[2]
 STATE = ".k3convert"

@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from loop_mounts import two_mounts  # noqa: F401 (a fixture)
+
+from converter.cli import jobfile, mxfp4_to_int4
+from converter.fixture import FixtureSpec, make_fixture
 from tests.conftest import (
     INDEX,
     MANIFEST,
@@ -34,10 +38,6 @@ from tests.conftest import (
     run_cli,
     tree_hash,
 )
-from loop_mounts import two_mounts  # noqa: F401 (a fixture)
-
-from converter.cli import jobfile, mxfp4_to_int4
-from converter.fixture import FixtureSpec, make_fixture
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "tools" / "slurm_array.sh"

@@ -13,6 +13,10 @@ import shutil
 import stat
 
 import pytest
+from dst_helpers import convert_cli, in_thread, release_fifo
+
+from converter.state import records as manifest_mod
+from converter.state.files import STATE_DIR
 from tests.conftest import (
     INDEX,
     MANIFEST,
@@ -26,10 +30,6 @@ from tests.conftest import (
     shard_names,
     write_json,
 )
-from dst_helpers import convert_cli, in_thread, release_fifo
-
-from converter.state import records as manifest_mod
-from converter.state.files import STATE_DIR
 
 # ---------------------------------------- D13, D10, S9b: shard and side file names
 

@@ -30,6 +30,10 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+
+from converter.errors import BadInput, OutputError
+from converter.formats.safetensors_io import Layout, OutTensor, ShardWriter
+from converter.state.files import STATE_DIR
 from tests.conftest import (
     INDEX,
     MANIFEST,
@@ -47,10 +51,6 @@ from tests.conftest import (
     tree_hash,
     write_json,
 )
-
-from converter.errors import BadInput, OutputError
-from converter.formats.safetensors_io import Layout, OutTensor, ShardWriter
-from converter.state.files import STATE_DIR
 
 BAD, OUT = BadInput.exit_code, OutputError.exit_code
 

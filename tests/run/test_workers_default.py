@@ -6,17 +6,16 @@ import inspect
 import json
 
 import pytest
-from tests.conftest import SPEC, run_cli
 
-from converter import devices
+from converter import devices, digest
 from converter.run import workers
 from converter.run.options import Options
 from converter.run.pipeline import convert
 from converter.run.selection import plan_workers, resolve_devices
 from converter.run.workers import THREADS_PER_WORKER, choose_cpu_workers, cpu_workers, worker_bytes
-from converter import digest
 from converter.terminal import progress as cli
 from converter.terminal.progress import eta, human_bytes, human_seconds, rate_line
+from tests.conftest import SPEC, run_cli
 
 GiB = 1 << 30
 PER = worker_bytes(THREADS_PER_WORKER)

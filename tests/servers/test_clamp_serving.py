@@ -21,8 +21,9 @@ import glm5_fixture as glm
 import ling_fixture as ling
 import pytest
 import serving_rules as serving
-from tests.conftest import converted_model, with_config
 from server_sources import released_file
+
+from tests.conftest import converted_model, with_config
 
 
 @pytest.fixture(scope="module")

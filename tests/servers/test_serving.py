@@ -19,7 +19,6 @@ from compressed_tensors.compressors import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 from compressed_tensors.quantization.quant_scheme import W4A16
-from tests.conftest import SPEC, ct_mxfp4_encode, read_json, rewrite_shard, run_cli, shard_names, sync_index, write_json
 from server_sources import released_file
 from serving_rules import rules as check_serving, rules_of as evaluate
 
@@ -31,6 +30,7 @@ from converter.servers import check, loaders
 from converter.servers.rules import RULES, SERVERS, ServingRequest
 from converter.servers.topology import Topology, local_experts, pp_stages
 from converter.vllm_plugin import route
+from tests.conftest import SPEC, ct_mxfp4_encode, read_json, rewrite_shard, run_cli, shard_names, sync_index, write_json
 
 LAYER = "language_model.model.layers.1.block_sparse_moe.experts"   # the first MoE layer (shard 2)
 SHORT = 120             # a finding's line (issue 23 section 4); the citations are under --verbose

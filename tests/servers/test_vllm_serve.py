@@ -43,8 +43,9 @@ from dataclasses import dataclass, field
 import moe_compare as mc
 import pytest
 import torch
-from tests.conftest import INDEX, read_json, rewrite_shard, sync_index
+
 from tests import support  # noqa: E402  (REPO, DATA, SUPPORT)
+from tests.conftest import INDEX, read_json, rewrite_shard, sync_index
 
 REQUIRE = os.environ.get("K3CONVERT_REQUIRE_VLLM") == "1"
 VLLM_PYTHON = os.environ.get("K3CONVERT_VLLM_PYTHON")

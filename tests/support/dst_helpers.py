@@ -16,9 +16,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from tests.conftest import INDEX, MANIFEST, read_json, run_cli, shard_names, write_json
 
 from converter.profiles import bundled_dir
+from tests.conftest import INDEX, MANIFEST, read_json, run_cli, shard_names, write_json
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPORARY = re.compile(r"\.tmp\d*$|\.partial$")  # our temporaries: .tmpPID (.tmp alone: older versions), .partial

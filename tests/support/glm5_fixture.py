@@ -24,8 +24,9 @@ from functools import lru_cache
 
 import pytest
 import torch
-from tests.conftest import ct_mxfp4_encode, heavy_tailed
 from safetensors.torch import save_file
+
+from tests.conftest import ct_mxfp4_encode, heavy_tailed
 
 PREFIX = "model.language_model"
 TEXT = dict(model_type="glm5_next_text", hidden_size=64, intermediate_size=128, moe_intermediate_size=96,

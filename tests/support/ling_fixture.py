@@ -29,9 +29,10 @@ import json
 import os
 
 import torch
-from tests.conftest import ct_mxfp4_encode, heavy_tailed
 from mimo_v2_fixture import fp8_block
 from safetensors.torch import save_file
+
+from tests.conftest import ct_mxfp4_encode, heavy_tailed
 
 TEXT = dict(model_type="bailing_hybrid", architectures=["BailingMoeV3ForCausalLM"], hidden_size=128,
             intermediate_size=256, moe_intermediate_size=64, moe_shared_expert_intermediate_size=128,

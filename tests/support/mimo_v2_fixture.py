@@ -18,8 +18,9 @@ import json
 import os
 
 import torch
-from tests.conftest import ct_mxfp4_encode, heavy_tailed
 from safetensors.torch import save_file
+
+from tests.conftest import ct_mxfp4_encode, heavy_tailed
 
 BLOCK = 128
 TEXT = dict(model_type="mimo_v2_flash", architectures=["MiMoV2FlashForCausalLM"], hidden_size=128,

@@ -18,8 +18,9 @@ import os
 import torch
 from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.quantization import QuantizationConfig
-from tests.conftest import MXFP4_SCHEME, ct_mxfp4_encode, heavy_tailed, mxfp4_unless_excluded
 from safetensors.torch import save_file
+
+from tests.conftest import MXFP4_SCHEME, ct_mxfp4_encode, heavy_tailed, mxfp4_unless_excluded
 
 PREFIX = "language_model.model.layers"
 # layer 0 dense, layers 1 and 2 MoE (moe_layer_freq), as the real model's first layers are dense

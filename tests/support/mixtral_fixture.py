@@ -17,9 +17,10 @@ import tempfile
 import torch
 from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.quantization import QuantizationConfig
-from tests.conftest import MXFP4_SCHEME, ct_mxfp4_encode
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+
+from tests.conftest import MXFP4_SCHEME, ct_mxfp4_encode
 
 # Every expert in-dim (hidden 64 for w1/w3, intermediate 96 for w2) is a multiple of 32.
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

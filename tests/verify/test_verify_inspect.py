@@ -16,12 +16,12 @@ import torch
 from click.testing import CliRunner
 
 from converter.cli import main
+from converter.digest import file_digest
 from converter.errors import BadInput, VerifyFailed
 from converter.fixture import FixtureSpec, make_fixture
 from converter.formats import mxfp4
 from converter.inspect import inspect_path
 from converter.run.plan import build_plan
-from converter.digest import file_digest
 from converter.state.files import MANIFEST
 from converter.state.records import read_rows, write_json, write_rows
 from converter.verify import brute_force_min, spread, verify

@@ -7,10 +7,9 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import assert_clean_error, run_cli
-
 import converter
 from converter.checks import Check
+from tests.conftest import assert_clean_error, run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(converter.__file__)))
 

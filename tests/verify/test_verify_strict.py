@@ -15,6 +15,10 @@ import shutil
 
 import pytest
 import zstandard
+from dst_helpers import CONFIG, MOD, cli_verify, copy_dst, edit_json, quant_block
+from safetensors.torch import save_file
+
+from converter.verify import verify
 from tests.conftest import (
     INDEX,
     MANIFEST,
@@ -29,10 +33,6 @@ from tests.conftest import (
     sync_index,
     write_json,
 )
-from dst_helpers import CONFIG, MOD, cli_verify, copy_dst, edit_json, quant_block
-from safetensors.torch import save_file
-
-from converter.verify import verify
 
 
 def restamp(dst: str, *rels: str) -> None:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-# k3(): the (quantization_config, config) of a k3convert K3 int4 output
-from tests.vllm_plugin.test_vllm_plugin import k3
-
 import converter.vllm_plugin as plugin_pkg
 from converter.vllm_plugin import aiter_info, route
+
+# k3(): the (quantization_config, config) of a k3convert K3 int4 output
+from tests.vllm_plugin.test_vllm_plugin import k3
 
 GOOD = route.Machine(is_rocm=True, on_gfx942=True, aiter_moe_enabled=True, vllm_version="0.33.0",
                      gemm1=lambda *, a_bf16, act="silu", situ_beta=1.0, situ_linear_beta=1.0: None)

@@ -23,6 +23,8 @@ pytest.importorskip("triton")
 
 import server_sources  # noqa: E402
 from interpreted import run_interpreted  # noqa: E402
+
+from converter.vllm_plugin import layout, layout_kernel  # noqa: E402
 from tests.quant.kernels.test_kernel_amd import needs_amd, report  # noqa: E402
 from tests.vllm_plugin.test_vllm_plugin import (  # noqa: E402
     MXFP4,
@@ -32,8 +34,6 @@ from tests.vllm_plugin.test_vllm_plugin import (  # noqa: E402
     source,
     vllm_flydsl,
 )
-
-from converter.vllm_plugin import layout, layout_kernel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,11 +17,11 @@ import shutil
 import subprocess
 
 import pytest
-from tests.conftest import read_json, write_json
 
 from converter.run.options import Options
 from converter.run.pipeline import convert
 from tests import support  # noqa: E402  (REPO, DATA, SUPPORT)
+from tests.conftest import read_json, write_json
 
 SCRIPT = os.path.join(str(support.SUPPORT), "vllm_scripts", "k3_quant_methods.py")
 MOE_INT4 = "CompressedTensorsWNA16MoEMethod"

@@ -28,11 +28,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tests.conftest import run_cli
-from tests.vllm_plugin.test_vllm_plugin import REQUIRE, source
 
 from converter.fixture import FixtureSpec, make_fixture
 from tests import support  # noqa: E402  (REPO, DATA, SUPPORT)
+from tests.conftest import run_cli
+from tests.vllm_plugin.test_vllm_plugin import REQUIRE, source
 
 HERE = support.SUPPORT
 TOL = 0.02       # the simulated kernel's bf16 stages against the float32 compressed-tensors reference

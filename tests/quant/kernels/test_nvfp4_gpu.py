@@ -15,9 +15,9 @@ import torch
 pytest.importorskip("triton")
 
 from interpreted import run_interpreted  # noqa: E402
-from tests.formats.test_nvfp4 import _groups  # noqa: E402
 
 from converter.quant import nvfp4_requant as nv  # noqa: E402
+from tests.formats.test_nvfp4 import _groups  # noqa: E402
 
 GSCALES = {"ct-divide": nv.GlobalScale(1703.2871, True), "modelopt-multiply": nv.GlobalScale(3.7e-4, False),
            "unit": nv.GlobalScale(1.0, False)}
