@@ -20,7 +20,6 @@ while such a run holds it. Any other writer is caught by the checks above.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +36,13 @@ from ..state.locks import reading
 from ..state.records import read_json
 from ..verify import REPORT, verify
 from . import publish
+from .source import REPO_RULES, repo_id_ok
 
 README = "README.md"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# what a loader may take for the model's weights: files of these kinds that this upload does not write are
+# refused in the repository (or deleted in the same commit with --delete-stale): docs/publish.md
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz",
+                   ".index.json")
 
 
 @dataclass
@@ -53,6 +56,7 @@ class UploadResult:
     method: str | None = None         # the HfApi method that committed
     url: str | None = None
     notes: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)   # other weight files removed by the commit (--delete-stale)
 
     @property
     def total_bytes(self) -> int:
@@ -130,7 +134,7 @@ def model_card(dst: str, base: str | None = None, repo_id: str | None = None) ->
         cmd += f" --sample-experts {opts['sample_experts']}"
     repo = repo_id or "<repo>"
     front = ["---"]
-    if _REPO_ID.match(name):
+    if repo_id_ok(name):
         front += [f"base_model: {name}", "base_model_relation: quantized"]
     front += ["tags:", "- compressed-tensors", "- int4", "- w4a16", "- k3convert", "---", ""]
     activation, serving_act = activation_section(act)
@@ -309,20 +313,22 @@ def _manifest(dst: str) -> tuple[dict, bytes]:
 
 def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | None = None, dry_run: bool = False,
            token: str | None = None, verify_checksums: bool = False, base: str | None = None,
-           endpoint: str | None = None, api: Any = None) -> UploadResult:
+           endpoint: str | None = None, api: Any = None, delete_stale: bool = False) -> UploadResult:
     """Check DST, write its model card if it has none, and upload it to ``repo_id`` (a model repo).
 
     Refuses (VerifyFailed, exit 5) unless the manifest says complete, the structural checks
     pass and every file's bytes are the manifest's (read once, and those bytes are what is
-    committed); BadInput (exit 2) for a missing or refused token, checked once DST verifies and
-    before anything is written or hashed; OutputError (exit 4) while a run changes DST (its read
-    lock) or when the Hub cannot be reached. ``dry_run``: only list what would be sent; nothing
-    is written, nothing is sent, no lock is taken, and shards are hashed only with
+    committed); BadInput (exit 2) for a repo id the Hub would refuse (first), a missing or
+    refused token, one that cannot write to ``repo_id``, or a repository that holds other weight
+    files (``delete_stale``: they are deleted in the same commit), all checked once DST verifies
+    and before anything is written or hashed; OutputError (exit 4) while a run changes DST (its
+    read lock) or when the Hub cannot be reached. ``dry_run``: only list what would be sent;
+    nothing is written, nothing is sent, no lock is taken, and shards are hashed only with
     ``verify_checksums``.
     """
     dst = os.path.abspath(dst)
-    if not _REPO_ID.match(repo_id):
-        raise BadInput(f"repo id {repo_id!r} is not of the form owner/name")
+    if not repo_id_ok(repo_id):
+        raise BadInput(f"{repo_id!r} is not a Hub repo id OWNER/NAME ({REPO_RULES})")
     manifest, manifest_bytes = _manifest(dst)
     if manifest.get("complete") is not True:
         raise VerifyFailed(f"the manifest says the conversion is not complete (status {manifest.get('status')!r}): "
@@ -335,15 +341,18 @@ def upload(dst: str, repo_id: str, *, private: bool = False, revision: str | Non
     with reading(dst):  # DST unchanged by our own runs from verify to the last byte sent (S14)
         # the shards' digests are checked below, as they are read for sending: not twice
         verified = _verified(dst, manifest, False, False)  # a broken DST is refused offline
-        _authorize(api)  # before the card is written and hours of hashing (issue 33 §3)
+        # the token and the repository, before the card is written and hours of hashing (issue 33 §3, H8, H12)
+        _authorize(api, repo_id)
+        target = _target(api, repo_id, revision, {README, *verified[0].files}, delete_stale)
         result = _with_card(dst, *verified, repo_id, revision, False, base)
+        result.deleted = target.stale
         in_memory = {MANIFEST: manifest_bytes}
         readme = result.card.encode() if result.card is not None else _read_regular(os.path.join(dst, README))
         if readme is None:
             raise OutputError("README.md cannot be read", file=dst)
         in_memory[README] = readme
         checked = publish.check(dst, [p for p, _ in result.files], manifest, in_memory)  # T1
-        _send(result, dst, checked, private, api)
+        _send(result, dst, checked, private, api, target)
     if private:
         result.notes.append("an existing repository keeps its visibility: --private applies to a new one")
     return result
@@ -395,57 +404,171 @@ def _network(e: BaseException) -> bool:
                                                   or isinstance(e, OSError))
 
 
-def _authorize(api: Any) -> None:
+def _hub_call(endpoint: str, what: str, step: Any) -> Any:
+    """``step()``, a question to the Hub before any work: the network's failure is exit 4, the Hub's
+    answer (other than the ones the caller handles) one line, exit 1; neither is a resume."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return step()
+    except Exception as e:
+        if _network(e):
+            raise OutputError(f"cannot reach {endpoint}: {one_line(e)}") from None
+        if isinstance(e, (HfHubHTTPError, ValueError)):
+            raise ConvertError(f"cannot {what} with {endpoint}: {one_line(e)}") from None
+        raise
+
+
+def _authorize(api: Any, repo_id: str) -> None:
     """The token, checked with the Hub before anything is hashed or sent: missing or refused is
-    exit 2, a read-only token too; the Hub out of reach is exit 4, with the cause."""
+    exit 2, a read-only token too, and a fine-grained one that cannot write to ``repo_id``; the
+    Hub out of reach is exit 4, with the cause."""
     from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
 
     endpoint = getattr(api, "endpoint", None) or "the Hub"
     login = "log in with `hf auth login`, set HF_TOKEN, or pass --token"
-    try:
-        who = api.whoami()
-    except LocalTokenNotFoundError:
-        raise BadInput(f"no Hugging Face token: {login}") from None
-    except Exception as e:
-        if isinstance(e, HfHubHTTPError) and getattr(e.response, "status_code", None) == 401:
-            raise BadInput(f"the Hub refused the token ({one_line(e)}): {login}") from None
-        if _network(e):
-            raise OutputError(f"cannot reach {endpoint}: {one_line(e)}") from None
-        if isinstance(e, (HfHubHTTPError, ValueError)):
-            raise ConvertError(f"cannot check the token with {endpoint}: {one_line(e)}") from None
-        raise
-    token = ((who or {}).get("auth") or {}).get("accessToken") or {}
+
+    def whoami():
+        try:
+            return api.whoami()
+        except LocalTokenNotFoundError:
+            raise BadInput(f"no Hugging Face token: {login}") from None
+        except HfHubHTTPError as e:
+            if getattr(e.response, "status_code", None) == 401:
+                raise BadInput(f"the Hub refused the token ({one_line(e)}): {login}") from None
+            raise
+
+    token = ((_hub_call(endpoint, "check the token", whoami) or {}).get("auth") or {}).get("accessToken") or {}
+    name = f" {token['displayName']!r}" if isinstance(token.get("displayName"), str) else ""
     if token.get("role") == "read":
-        name = f" {token['displayName']!r}" if isinstance(token.get("displayName"), str) else ""
         raise BadInput(f"the token{name} is read-only: upload needs a write token; {login}")
+    if token.get("role") == "fineGrained" and not can_write(token.get("fineGrained"), repo_id):
+        raise BadInput(f"the fine-grained token{name} cannot write to {repo_id} (it has no repo.write on "
+                       f"{repo_id.split('/')[0]} or on the repository): grant it that, or use a write token; {login}")
 
 
-def _send(result: UploadResult, dst: str, checked: list[publish.Checked], private: bool, api: Any) -> None:
-    """Create the repository (and branch), upload exactly ``checked`` and commit it once, after
-    each large file's SHA-256 as sent is found to be the one checked (``publish.confirm``). A
-    Hub failure is one line saying how to resume (exit 1); the network's is exit 4."""
+def can_write(grants: Any, repo_id: str) -> bool:
+    """Whether a fine-grained token's grants (whoami's ``accessToken.fineGrained``) include writing to
+    ``repo_id``: ``repo.write`` on its owner (a user or an organization), on the repository itself, or
+    everywhere. Anything unreadable counts as no."""
+    if not isinstance(grants, dict):
+        return False
+    owner = repo_id.split("/")[0]
+    if "repo.write" in (grants.get("global") or []):
+        return True
+    for scope in grants.get("scoped") or []:
+        entity = scope.get("entity") if isinstance(scope, dict) else None
+        if not isinstance(entity, dict) or "repo.write" not in (scope.get("permissions") or []):
+            continue
+        kind, name = entity.get("type"), entity.get("name")
+        if (kind in ("user", "org") and name == owner) or name == repo_id:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Target:
+    """The branch the commit lands on, as listed before any work: its commit (None: no repository
+    yet) and the weight files in it that the upload does not write (``stale``: deleted by the commit)."""
+
+    parent: str | None
+    stale: list[str]
+
+
+def weight_file(path: str) -> bool:
+    """Whether a loader may take ``path`` for the model's weights (``WEIGHT_SUFFIXES``)."""
+    return path.lower().endswith(WEIGHT_SUFFIXES)
+
+
+def _target(api: Any, repo_id: str, revision: str | None, ours: set[str], delete_stale: bool) -> Target:
+    """What ``repo_id`` holds on ``revision`` (a branch to be made: on the default branch it starts
+    from). Weight files that this upload does not write are refused (BadInput, exit 2) unless
+    ``delete_stale``: a loader may take them beside the new model (H8, docs/decisions.md)."""
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    endpoint = getattr(api, "endpoint", None) or "the Hub"
+
+    def listing():
+        try:
+            try:
+                return api.model_info(repo_id, revision=revision)
+            except RevisionNotFoundError:  # a new branch: made from the default one
+                return api.model_info(repo_id)
+        except RepositoryNotFoundError:
+            return None
+
+    info = _hub_call(endpoint, f"list {repo_id}", listing)
+    if info is None:
+        return Target(None, [])
+    held = sorted(s.rfilename for s in (getattr(info, "siblings", None) or []))
+    stale = [p for p in held if weight_file(p) and p not in ours]
+    if stale and not delete_stale:
+        shown = ", ".join(stale[:5]) + (f" (and {len(stale) - 5} more)" if len(stale) > 5 else "")
+        raise BadInput(f"{repo_id}{f'@{revision}' if revision else ''} holds weight files this upload does not "
+                       f"replace: {shown}; a loader may load them beside the new model. Pass --delete-stale to "
+                       "delete them in the same commit, or upload to another repository or --revision")
+    return Target(getattr(info, "sha", None), stale)
+
+
+def _send(result: UploadResult, dst: str, checked: list[publish.Checked], private: bool, api: Any,
+          target: Target) -> None:
+    """Create the repository (and branch), upload exactly ``checked`` and commit it once (deleting
+    ``target.stale`` in it), after each large file is proven to be what was sent (``publish.confirm``).
+    A Hub failure that a rerun may get past (the network, HTTP 408/429/5xx) says how to resume; one
+    that it cannot (any other refusal) does not."""
+    from huggingface_hub import CommitOperationDelete
+
     repo_id, revision = result.repo_id, result.revision
+    xet = _xet_available()
+    sending = publish.operations(dst, checked, xet)
 
     def hub(step):
         try:
             return step()
-        except Exception as e:  # the Hub or the network: one line and how to resume; anything else is a bug
-            from huggingface_hub.errors import HfHubHTTPError
-            if not isinstance(e, (HfHubHTTPError, ValueError)) and not _network(e):
-                raise
-            error = OutputError if _network(e) else ConvertError
-            raise error(f"upload to {repo_id} failed: {one_line(e)}. Run the same command again to resume") \
-                from None
+        except Exception as e:  # the Hub or the network: one line; anything else is a bug
+            sending.raise_if_changed()  # a file found changed as it was sent: that, not huggingface_hub's wrapping
+            raise _hub_error(e, repo_id) from None
 
-    result.url = str(hub(lambda: api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)))
-    if revision and revision != "main":
-        hub(lambda: api.create_branch(repo_id, repo_type="model", branch=revision, exist_ok=True))
-    ops = publish.operations(dst, checked)
-    if not _xet_available():
-        result.notes.append("hf_xet is not installed (or HF_HUB_DISABLE_XET is set): files went by the LFS "
-                            "protocol, which resumes file by file; `pip install hf_xet` for large uploads")
-    hub(lambda: api.preupload_lfs_files(repo_id, additions=ops, repo_type="model", revision=revision))
-    publish.confirm(checked, ops)  # T2: what the commit names is what was checked
-    hub(lambda: api.create_commit(repo_id, operations=ops, repo_type="model", revision=revision,
-                                  commit_message=f"int4 group-32 experts converted by k3convert {__version__}"))
+    try:
+        result.url = str(hub(lambda: api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)))
+        if revision and revision != "main":
+            hub(lambda: api.create_branch(repo_id, repo_type="model", branch=revision, exist_ok=True))
+        if not xet:
+            result.notes.append("hf_xet is not installed (or HF_HUB_DISABLE_XET is set): files went by the LFS "
+                                "protocol, which resumes file by file; `pip install hf_xet` for large uploads")
+        hub(lambda: api.preupload_lfs_files(repo_id, additions=sending.ops, repo_type="model", revision=revision))
+        publish.confirm(checked, sending)  # T2, H6: what the commit names is what was checked and sent
+        deletes = [CommitOperationDelete(path_in_repo=p) for p in target.stale]
+        hub(lambda: api.create_commit(repo_id, operations=[*sending.ops, *deletes], repo_type="model",
+                                      revision=revision, parent_commit=target.parent,
+                                      commit_message=f"int4 group-32 experts converted by k3convert {__version__}"))
+    finally:
+        sending.close()
     result.method = "create_commit"
+    if target.stale:
+        result.notes.append(f"deleted {len(target.stale)} other weight file(s) in the same commit (--delete-stale): "
+                            + ", ".join(target.stale))
+
+
+RESUMABLE = (408, 429)  # and 5xx: the Hub's own trouble, which a rerun may get past
+
+
+def _hub_error(e: BaseException, repo_id: str) -> BaseException:
+    """One line for a failed Hub call of the upload: the network's is exit 4 and a rerun resumes; an
+    HTTP 408/429/5xx answer is exit 1 and a rerun may resume; any other answer is a refusal a rerun
+    would meet again (401/403: the token, exit 2). Anything else is a bug, raised as it is."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    while isinstance(e, RuntimeError) and e.__cause__ is not None:  # "Error while uploading X" around the cause
+        e = e.__cause__
+    if not isinstance(e, (HfHubHTTPError, ValueError)) and not _network(e):
+        return e
+    said = f"upload to {repo_id} failed: {one_line(e)}"
+    if _network(e):
+        return OutputError(f"{said}. Run the same command again to resume")
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if isinstance(status, int) and (status in RESUMABLE or status >= 500):
+        return ConvertError(f"{said}. Run the same command again to resume")
+    if status in (401, 403):
+        return BadInput(f"{said}: the token cannot write there")
+    return ConvertError(said)
