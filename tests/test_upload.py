@@ -31,7 +31,7 @@ from hub_standin import RecordingApi
 from converter.cli import main
 from converter.errors import VerifyFailed
 from converter.fixture import FixtureSpec, make_fixture
-from converter.hub import publish, upload as hub_module
+from converter.hub import card as hub_card, publish, upload as hub_module
 from converter.hub.upload import model_card, upload, upload_files
 from converter.run.options import Options
 from converter.run.pipeline import convert
@@ -391,7 +391,7 @@ def test_dry_run_shows_the_card(dst):
     assert f"README.md: would write (the model card, {len(card)} lines):" in res.output
     title = next(line for line in card if line.startswith("# "))
     assert f"    {title}" in res.output and "group size 32, symmetric" in res.output
-    assert f"... ({len(card) - hub_module.CARD_LINES} more lines)" in res.output
+    assert f"... ({len(card) - hub_card.CARD_LINES} more lines)" in res.output
     assert not os.path.exists(os.path.join(dst, "README.md"))
 
 

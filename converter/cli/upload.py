@@ -31,7 +31,8 @@ def upload_cmd(dst, repo_id, private, revision, dry_run, token, verify_checksums
     manifest as it is read, and what is committed is those bytes. Resumable: run the same command
     again after an interruption. Exit codes: 0 done, 2 bad input, token or repository, 4 the Hub out
     of reach or DST locked, 5 DST fails verification (or changed), 130 interrupted, 1 other (a Hub error)."""
-    from ..hub.upload import card_preview, upload
+    from ..hub.card import card_preview
+    from ..hub.upload import upload
 
     if os.path.isdir(dst):   # the first line at once: verify and the Hub take a while (a missing DST: one error)
         click.echo(f"upload {dst} -> {repo_id}: verifying DST, then "

@@ -15,7 +15,7 @@ TP 8 + EP (one node) and DP 2 x TP 8 + EP (two nodes), only for the checkpoints 
 """
 from __future__ import annotations
 
-import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -23,15 +23,16 @@ from ..formats import checkpoint as ckpt
 from ..formats.safetensors_io import TensorInfo
 from ..releases import SGLANG, VLLM, Family, Release, all_kimi_model_types
 from ..vllm_plugin import route as plugin_route
-from .check import context, evaluate_at, rank_fit
+from .check import context, evaluate_at
 from .context import Context
-from .memory import GIB, Fit
+from .headers import Matrix
+from .memory import GIB, Fit, expert_memory, kimi_min_per_rank
 from .rules import TARGETS, ServingRequest
 from .topology import Topology
 
 PLUGIN = "vllm-rocm-plugin"
 PLUGIN_ENV = "VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1"   # without both the plugin refuses (route.decide)
-PLUGIN_INSTALL = "pip install --no-deps k3convert"                 # into the image's Python: vLLM, torch, aiter stay
+PLUGIN_INSTALL = "pip install --no-deps /path/to/k3convert"   # k3convert is not on PyPI: a checkout or its wheel
 TWO_NODES = ("--data-parallel-size-local 1 --data-parallel-address HEAD --data-parallel-rpc-port 13345 on both "
              "nodes (HEAD: the first node's address), --data-parallel-start-rank 1 --headless on the second")
 
@@ -102,6 +103,7 @@ def outcomes(config: dict | None, tensors: Mapping[str, TensorInfo]) -> list[Out
     read into one context per server and release (seconds each on K3), then every launch is judged."""
     out = []
     contexts: dict[tuple[str, str], Context] = {}
+    rest: Rest | None = None
     for launch in launches_for(config):
         for release in releases_of(launch.server):
             vllm = release.version if release.family is Family.VLLM else None
@@ -111,28 +113,70 @@ def outcomes(config: dict | None, tensors: Mapping[str, TensorInfo]) -> list[Out
             ctx = contexts[key]
             failed = [r.message for r in evaluate_at(ctx, launch.topology) if not r.ok]
             more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-            out.append(Outcome(launch, release, failed[0] + more if failed else None,
-                               None if failed else _fit(ctx, launch.topology)))
+            fit = None
+            if not failed and ctx.server.family is Family.VLLM:
+                rest = rest or Rest.of(tensors, ctx.mats)
+                fit = rank_weights(ctx, launch.topology, rest)
+            out.append(Outcome(launch, release, failed[0] + more if failed else None, fit))
     return out
 
 
-def _fit(ctx: Context, topo: Topology) -> Fit | None:
-    """The check's own per-rank weights; where it knows no GPU (CUDA), against none, for the figure."""
-    return rank_fit(ctx if ctx.gpus else dataclasses.replace(ctx, gpus={"no GPU": 0}), topo)
+# weights vLLM keeps whole on every rank (read, not run: DeepseekV2/Kimi's ReplicatedLinear router and MLA
+# down-projections, RMSNorm weights); a vision tower is counted whole too, the larger of its two placements
+_REPLICATED = re.compile(r"(\.gate\.weight|\.router\.weight|\.e_score_correction_bias|\.q_a_proj\.weight|"
+                         r"\.kv_a_proj_with_mqa\.weight)$|(^|\.)(vision_tower|visual|vision_model)\.")
+
+
+@dataclass(frozen=True)
+class Rest:
+    """Every weight that is not a routed expert's, in bytes: ``whole`` on every rank (1-D tensors such
+    as norms and biases, and ``_REPLICATED``), ``split`` over the TP ranks (attention, dense and
+    shared MLPs, the vocabulary-parallel embedding and lm_head)."""
+
+    whole: int
+    split: int
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, TensorInfo], mats: list[Matrix]) -> "Rest":
+        experts = {m.module for m in mats if m.expert is not None}
+        whole = split = 0
+        for name, info in tensors.items():
+            if name.rpartition(".")[0] in experts:
+                continue
+            if len(info.shape) <= 1 or _REPLICATED.search(name):
+                whole += info.nbytes
+            else:
+                split += info.nbytes
+        return cls(whole, split)
+
+    def per_rank(self, topo: Topology) -> int:
+        """One rank's bytes: the whole ones, a TP share of the rest; a PP stage an even share of both."""
+        return (self.whole + -(-self.split // topo.tp)) // topo.pp
+
+
+def rank_weights(ctx: Context, topo: Topology, rest: Rest) -> Fit:
+    """Every weight one rank of a vLLM launch holds: its share of the routed experts (EP: its experts
+    whole, else a TP slice of each; the serving check's ``expert_memory``) and ``rest.per_rank``,
+    against the GPUs the check knows (none on CUDA: the figure alone)."""
+    experts = expert_memory(ctx.experts, topo, kimi_min_per_rank(ctx.config)).int4
+    return Fit(experts, rest.per_rank(topo), ctx.utilization, dict(ctx.gpus))
 
 
 def _memory(f: Fit | None) -> str:
-    """'191 GB of weights per rank; fits MI325X 256 GiB, not MI300X 192 GiB (--gpu-memory-utilization 0.9)'."""
+    """'191 GB of weights per rank (routed experts 180, the rest 11); fits MI325X 256 GiB, not MI300X 192 GiB
+    (--gpu-memory-utilization 0.9)'."""
     if f is None:
         return ""
-    text = f"{f.weights / 1e9:.3g} GB of weights per rank"
+    text = (f"{f.weights / 1e9:.3g} GB of weights per rank (routed experts {f.experts / 1e9:.3g}, the rest "
+            f"{f.rest / 1e9:.3g})")
     known = {g: b for g, b in f.gpus.items() if b}
     if not known:
         return text
     fits = [f"{g} {b / GIB:g} GiB" for g, b in known.items() if f.left(g) >= 0]
     short = [f"{g} {b / GIB:g} GiB" for g, b in known.items() if f.left(g) < 0]
-    return (text + f"; fits {', '.join(fits)}" + (f", not {', '.join(short)}" if short else "")
-            + f" (--gpu-memory-utilization {f.utilization:g})")
+    said = (f"fits {', '.join(fits)}" + (f", not {', '.join(short)}" if short else "")) if fits else \
+        f"fits none of {', '.join(short)}"
+    return f"{text}; {said} (--gpu-memory-utilization {f.utilization:g})"
 
 
 def release_text(release: Release, server: str) -> str:
@@ -195,7 +239,8 @@ def _server_block(server: str, mine: list[Outcome], repo: str) -> list[str]:
     if any(passing.values()):
         code = ["```bash"]
         if server == PLUGIN:
-            code += [f"{PLUGIN_INSTALL}    # the plugin, into the ROCm image's Python; its vLLM, torch, aiter stay",
+            code += [f"{PLUGIN_INSTALL}    # a checkout or wheel of k3convert (not on PyPI): the plugin, into the "
+                     "ROCm image's Python; its vLLM, torch, aiter stay",
                      f"export {PLUGIN_ENV}"]
         for x in launches:
             if passing[x]:
