@@ -215,8 +215,8 @@ class FakeHub:
         if not self.parts:
             return {"href": f"{self.url}/lfs-put/{obj['oid']}"}
         n = -(-obj["size"] // self.parts)
-        return {"href": f"{self.url}/lfs-complete/{obj['oid']}", "header": {
-            "chunk_size": str(self.parts), **{str(i): f"{self.url}/lfs-part/{obj['oid']}/{i}" for i in range(1, n + 1)}}}
+        parts = {str(i): f"{self.url}/lfs-part/{obj['oid']}/{i}" for i in range(1, n + 1)}
+        return {"href": f"{self.url}/lfs-complete/{obj['oid']}", "header": {"chunk_size": str(self.parts), **parts}}
 
     def close(self) -> None:
         self.server.shutdown()
