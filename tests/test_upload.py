@@ -545,25 +545,34 @@ def test_t1_a_shard_byte_flipped_after_the_conversion_is_never_published(dst, fa
     assert fake_hub.created == [] and fake_hub.lfs == {} and fake_hub.commits == []
 
 
-def test_t2_a_shard_changed_while_it_is_uploaded_is_never_committed(dst, fake_hub, monkeypatch):
-    """T2: a shard byte flipped by another program while upload talks to the Hub was committed.
-    Large files go from their path (the fixture's shards made large here); the SHA-256 of what
-    huggingface_hub sent must be the one checked before the commit is made: exit 5, no commit."""
+def _changed_during_upload(dst, hub, monkeypatch, when: str, parts: int | None = None) -> None:
+    """A byte of a large shard flipped by another program when the fake Hub is asked ``when`` (a path's
+    end): exit 5 naming it, nothing committed, the changed bytes never sent."""
     monkeypatch.setattr(publish, "INLINE", 100_000)  # the shards (0.4-2 MB) go from their path, as real ones do
+    monkeypatch.setattr(publish, "BLOCK", 1 << 16)
+    hub.parts = parts
     shard = os.path.join(dst, "model-00001-of-00003.safetensors")
     edited = []
 
     def edit(method, path):
-        if path.endswith("/preupload/main") and not edited:
+        if path.endswith(when) and not edited:
             _flip(shard)
             edited.append(path)
 
-    fake_hub.on_request = edit
-    res = _cli_upload(dst, fake_hub)
+    hub.on_request = edit
+    res = _cli_upload(dst, hub)
     assert edited and res.exit_code == 5, res.output
     err = _one_line(res)
     assert "model-00001-of-00003.safetensors: changed while it was uploaded" in err and "nothing was committed" in err
-    assert fake_hub.commits == []
+    assert hub.commits == []
+    with open(shard, "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() not in hub.lfs  # the changed bytes never reached the Hub
+
+
+def test_t2_a_shard_changed_while_it_is_uploaded_is_never_committed(dst, fake_hub, monkeypatch):
+    """T2: a shard byte flipped by another program while upload talks to the Hub (here: when asked
+    for the upload modes, before huggingface_hub hashes it) was committed."""
+    _changed_during_upload(dst, fake_hub, monkeypatch, "/preupload/main")
 
 
 @pytest.mark.parametrize("parts", [None, 300_000], ids=["one PUT", "multipart"])
@@ -571,25 +580,7 @@ def test_h6_a_shard_changed_after_it_was_hashed_is_never_committed(dst, fake_hub
     """H6: by LFS, huggingface_hub hashed a large file, then read it again from its path to send it: a
     byte changed in between (here: while the LFS batch is asked for, after the hash) was committed under
     the checked SHA-256. Each byte sent is now proven to be the checked one as it is read: exit 5, no commit."""
-    monkeypatch.setattr(publish, "INLINE", 100_000)
-    monkeypatch.setattr(publish, "BLOCK", 1 << 16)
-    fake_hub.parts = parts
-    shard = os.path.join(dst, "model-00001-of-00003.safetensors")
-    edited = []
-
-    def edit(method, path):
-        if path.endswith("/objects/batch") and not edited:
-            _flip(shard)
-            edited.append(path)
-
-    fake_hub.on_request = edit
-    res = _cli_upload(dst, fake_hub)
-    assert edited and res.exit_code == 5, res.output
-    err = _one_line(res)
-    assert "model-00001-of-00003.safetensors: changed while it was uploaded" in err and "nothing was committed" in err
-    assert fake_hub.commits == []
-    with open(shard, "rb") as f:
-        assert hashlib.sha256(f.read()).hexdigest() not in fake_hub.lfs  # the changed bytes never reached the Hub
+    _changed_during_upload(dst, fake_hub, monkeypatch, "/objects/batch", parts)
 
 
 @pytest.mark.parametrize("parts", [None, 300_000], ids=["one PUT", "multipart"])
