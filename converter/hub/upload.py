@@ -1,17 +1,17 @@
-"""Publish a finished DST on the Hugging Face Hub: refuse unfinished or broken output, write a
-model card that states what a server must know (int4 g32 symmetric, the expert activation as
-the config states it), then upload. The card is ours: the source's README.md is kept beside it
-as README.source.md (converter.run.plan) and never published as the int4 model's card.
+"""Publish a finished DST on the Hugging Face Hub (docs/publish.md): refuse unfinished or broken
+output, write a model card (``card``), then upload. The card is ours: the source's README.md is
+kept beside it as README.source.md (converter.run.plan) and never published as the int4 model's card.
 
-Once DST verifies, the token is checked (``whoami``), before anything is written or hashed.
-Then every file is read once and checked against the manifest's size and digest
-(``publish``), and sent with huggingface_hub's operation API: ``preupload_lfs_files`` uploads the large files
-(through hf_xet where installed, else LFS), the SHA-256 it computed of what it sent is compared with the
-one checked, and only then ``create_commit`` makes one commit; small files are committed from
-the bytes that were checked. Re-running the same command resumes: what the Hub already holds
-is not sent again. (``upload_folder``/``upload_large_folder`` read DST on their own, after any
-check of ours, and commit as they go: a changed byte would be published, and a partial upload
-would show as a partial model.)
+Before anything is written or hashed: the repo id (the Hub's rules), DST's verification, the token
+(``whoami``: it must be able to write to the repository) and the repository (no other weight files
+in it unless ``delete_stale``) are checked (``access``). Then every file is read once and checked
+against the manifest's size and digest (``publish``), and sent with huggingface_hub's operation API:
+``preupload_lfs_files`` uploads the large files (through hf_xet where installed, else LFS, each
+byte proven to be the checked one as it is read), and only then ``create_commit`` makes one commit;
+small files are committed from the bytes that were checked. Re-running the same command resumes:
+what the Hub already holds is not sent again. (``upload_folder``/``upload_large_folder`` read DST on
+their own, after any check of ours, and commit as they go: a changed byte would be published, and a
+partial upload would show as a partial model.)
 
 While it reads DST the upload holds DST's read lock (``locks.reading``): a run that would
 change DST (a redo, ``--overwrite``, finalize) is refused meanwhile, and an upload is refused
