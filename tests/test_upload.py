@@ -895,10 +895,12 @@ def test_h12_a_fine_grained_token_that_can_write_uploads(dst, fake_hub, scopes):
     assert len(fake_hub.commits) == 1
 
 
-@pytest.mark.parametrize("status, resumable", [(400, False), (403, False), (404, False), (429, True), (503, True)])
+@pytest.mark.parametrize("status, resumable", [(400, False), (403, False), (404, False), (412, True), (429, True),
+                                               (503, True)])
 def test_h12_only_a_failure_a_rerun_can_get_past_promises_a_resume(dst, fake_hub, status, resumable):
     """H12: every Hub refusal said "run the same command again to resume", which cannot work for a
-    400/403/404. Only the network and HTTP 408/429/5xx say it; 401/403 is the token's (exit 2)."""
+    400/403/404. Only the network and HTTP 408/409/412/429/5xx say it (412: the branch moved since it was
+    listed: a rerun lists it again); 401/403 is the token's (exit 2)."""
     fake_hub.fail_commit = status
     res = _cli_upload(dst, fake_hub)
     err = _one_line(res)

@@ -194,7 +194,7 @@ def _send(result: UploadResult, dst: str, checked: list[publish.Checked], privat
           target: access.Target) -> None:
     """Create the repository (and branch), upload exactly ``checked`` and commit it once (deleting
     ``target.stale`` in it), after each large file is proven to be what was sent (``publish.confirm``).
-    A Hub failure that a rerun may get past (the network, HTTP 408/429/5xx) says how to resume; one
+    A Hub failure that a rerun may get past (the network, HTTP 408/409/412/429/5xx) says how to resume; one
     that it cannot (any other refusal) does not."""
     from huggingface_hub import CommitOperationDelete
 
@@ -230,12 +230,14 @@ def _send(result: UploadResult, dst: str, checked: list[publish.Checked], privat
                             + ", ".join(target.stale))
 
 
-RESUMABLE = (408, 429)  # and 5xx: the Hub's own trouble, which a rerun may get past
+# and 5xx: the Hub's own trouble, which a rerun may get past; 409/412: the branch moved since it was listed
+# (a rerun lists it again)
+RESUMABLE = (408, 409, 412, 429)
 
 
 def _hub_error(e: BaseException, repo_id: str) -> BaseException:
     """One line for a failed Hub call of the upload: the network's is exit 4 and a rerun resumes; an
-    HTTP 408/429/5xx answer is exit 1 and a rerun may resume; any other answer is a refusal a rerun
+    HTTP 408/409/412/429/5xx answer is exit 1 and a rerun may resume; any other answer is a refusal a rerun
     would meet again (401/403: the token, exit 2). Anything else is a bug, raised as it is."""
     from huggingface_hub.errors import HfHubHTTPError
 
