@@ -57,6 +57,7 @@ class Profile:
     inventory: dict[str, Any] | None = None
     optional_activation: tuple[str, ...] = ()   # carried when the config states them (MiniMax swiglu_beta)
     experts_only: bool = False                 # any MXFP4 module but a routed expert is written as exact bf16
+    text: str = field(default="", compare=False, repr=False)   # the file as read: a run records it (sources)
 
     def matches(self, config: dict) -> tuple[bool, str]:
         """Whether config.json is of this family, and the facts that say so."""
@@ -78,9 +79,20 @@ class Profile:
 def load(path: str) -> Profile:
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            raw = f.read()
     except OSError as e:
         raise BadInput(f"cannot read profile: {e.strerror}", file=path) from None
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as e:
+        raise BadInput(f"profile is not valid TOML ({e})", file=path) from None
+    return parse(text, path)
+
+
+def parse(text: str, path: str) -> Profile:
+    """A profile from its TOML text; ``path`` names it (where it was read, or where a run recorded it)."""
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise BadInput(f"profile is not valid TOML ({e})", file=path) from None
     try:
@@ -90,7 +102,7 @@ def load(path: str) -> Profile:
                        required_activation=tuple((data.get("activation") or {}).get("required", ["hidden_act"])),
                        inventory=_inventory(data.get("inventory"), path),
                        optional_activation=tuple((data.get("activation") or {}).get("optional", [])),
-                       experts_only=data.get("experts_only", False) is True)
+                       experts_only=data.get("experts_only", False) is True, text=text)
     except KeyError as e:
         raise BadInput(f"profile lacks {e.args[0]!r}", file=path) from None
 
@@ -135,8 +147,10 @@ def is_file(name: str) -> bool:
     return name.endswith(".toml") or os.sep in name
 
 
-def named(name: str) -> Profile:
-    """A bundled profile by name, or a profile file by path."""
+def named(name: "str | Profile") -> Profile:
+    """A bundled profile by name, or a profile file by path (a Profile already read: itself)."""
+    if isinstance(name, Profile):
+        return name
     if is_file(name):
         return load(name)
     for p in available():
@@ -145,7 +159,7 @@ def named(name: str) -> Profile:
     raise BadInput(f"no profile named {name!r} (known: {', '.join(p.name for p in available())})")
 
 
-def choose(config: dict, dialect: str, name: str | None = None, config_path: str | None = None
+def choose(config: dict, dialect: str, name: "str | Profile | None" = None, config_path: str | None = None
            ) -> tuple[Profile, str]:
     """The profile for this checkpoint and why: ``name`` if given, else the most specific
     bundled profile of the checkpoint's MXFP4 dialect whose match holds."""

@@ -20,21 +20,26 @@ from .params import fail
 @click.option("--verify-checksums", is_flag=True,
               help="With --dry-run: also re-hash every shard against the manifest (an upload always does).")
 @click.option("--base-model", default=None, help="Base model named in the model card [default: from the source].")
-def upload_cmd(dst, repo_id, private, revision, dry_run, token, verify_checksums, base_model) -> None:
+@click.option("--delete-stale", is_flag=True,
+              help="Delete the repository's other weight files (*.safetensors, *.bin, *.pt, *.gguf, *.index.json, "
+                   "... that this upload does not write) in the same commit [default: refuse to upload beside them].")
+def upload_cmd(dst, repo_id, private, revision, dry_run, token, verify_checksums, base_model, delete_stale) -> None:
     """Upload a complete, verified DST to the Hub as REPO_ID, with a model card (README.md) if it has none.
 
-    The token is checked first; every file is checked against the manifest as it is read, and
-    what is committed is those bytes. Resumable: run the same command again after an interruption.
-    Exit codes: 0 done, 2 bad input or token, 4 the Hub out of reach or DST locked, 5 DST fails
-    verification (or changed), 130 interrupted, 1 other (a Hub error)."""
-    from ..hub.upload import card_preview, upload
+    The repo id, the token (it must be able to write to REPO_ID) and the repository (no other weight
+    files in it, unless --delete-stale) are checked first; every file is checked against the
+    manifest as it is read, and what is committed is those bytes. Resumable: run the same command
+    again after an interruption. Exit codes: 0 done, 2 bad input, token or repository, 4 the Hub out
+    of reach or DST locked, 5 DST fails verification (or changed), 130 interrupted, 1 other (a Hub error)."""
+    from ..hub.card import card_preview
+    from ..hub.upload import upload
 
     if os.path.isdir(dst):   # the first line at once: verify and the Hub take a while (a missing DST: one error)
         click.echo(f"upload {dst} -> {repo_id}: verifying DST, then "
                    + ("listing what would be sent…" if dry_run else "sending it…"))
     try:
         res = upload(dst, repo_id, private=private, revision=revision, dry_run=dry_run, token=token,
-                     verify_checksums=verify_checksums, base=base_model)
+                     verify_checksums=verify_checksums, base=base_model, delete_stale=delete_stale)
     except ConvertError as e:
         fail(e)
     except KeyboardInterrupt:  # T15: as README's exit codes say, not click's "Aborted!" (exit 1)

@@ -42,12 +42,19 @@ class HubSource:
         return self.repo.split("/", 1)[1]
 
 
+REPO_RULES = "letters, digits, - _ . in each part, not first or last; no -- or ..; at most 96 characters"
+
+
+def repo_id_ok(repo: str) -> bool:
+    """Whether ``repo`` is a Hub repo id ``ORG/NAME`` by the Hub's rules."""
+    return bool(_REPO.fullmatch(repo)) and "--" not in repo and ".." not in repo and not repo.endswith(".git")
+
+
 def hub_id_problem(text: str) -> str | None:
     """Why ``text`` is not ``ORG/NAME[@REVISION]``, or None."""
     repo, at, rev = text.partition("@")
-    if not _REPO.fullmatch(repo) or "--" in repo or ".." in repo:
-        return ("not an existing path, nor a Hub repo id ORG/NAME[@REVISION] (letters, digits, - _ . in each "
-                "part, no -- or .., at most 96 characters)")
+    if not repo_id_ok(repo):
+        return f"not an existing path, nor a Hub repo id ORG/NAME[@REVISION] ({REPO_RULES})"
     if at and (not _REVISION.fullmatch(rev) or ".." in rev or rev.endswith((".", "/", ".lock"))):
         return f"{rev!r} is not a revision (a branch, tag or commit id)"
     return None

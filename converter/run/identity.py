@@ -22,14 +22,15 @@ def state_path(dst: str, *parts: str) -> str:
 
 
 def _compared(identity: Mapping[str, Any]) -> dict[str, Any]:
-    """An identity as compared: without who recorded it, the hints, where the profile was found,
-    and the source shards' mtimes. An mtime says when a copy was made, not what it holds (a job
-    array's per-node copies of SRC, T9): like the inode and ctime it is a hint, and where it moved
+    """An identity as compared: without who recorded it, the hints, where the profile was found and its
+    text (its SHA-256 is compared), and the source shards' mtimes. An mtime says when a copy was made,
+    not what it holds (a job array's per-node copies of SRC, T9): like the inode and ctime it is a
+    hint, and where it moved
     the finished shards' content is compared with the digests recorded (``source_change``)."""
     out = {k: v for k, v in identity.items() if k not in (_WHO, HINTS)}
     prof = (out.get("options") or {}).get("profile")
     if isinstance(prof, dict):
-        out["options"] = {**out["options"], "profile": {k: v for k, v in prof.items() if k != "file"}}
+        out["options"] = {**out["options"], "profile": {k: v for k, v in prof.items() if k not in ("file", "toml")}}
     shards = out.get("shards")
     if isinstance(shards, dict):
         out["shards"] = {n: {k: v for k, v in i.items() if k != "mtime_ns"} if isinstance(i, dict) else i

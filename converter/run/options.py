@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 
 from .. import __version__
 from ..errors import BadInput
-from ..profiles import MAX_EXPERTS
+from ..profiles import MAX_EXPERTS, Profile
 from ..quant.rules import DEFAULT as SCALE_RULE_DEFAULT, ScaleRule, recorded_rule
 from ..state.manifest import Status
 from .plan import Plan, build_plan
@@ -27,7 +27,7 @@ class Options:
     batch_groups: int | None = None   # groups per requantize call [default: 2**20 CPU, 2**21 GPU]
     shard_spec: str | None = None     # --shards 3,5-9: convert only these (batch jobs)
     part: str | None = None           # --part i/n
-    profile: str | None = None        # model profile name or file [default: chosen from config.json]
+    profile: str | Profile | None = None  # model profile name or file (a recorded one: as read) [default: chosen]
     drop_activation_quant: bool = False  # convert a source that also quantizes activations, weight-only
     inline: bool | None = None        # one worker in this process [default: when torch is imported here]
     scale_rule: ScaleRule = SCALE_RULE_DEFAULT  # --scale-rule (quant/rules.py); a name is parsed here

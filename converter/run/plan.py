@@ -344,7 +344,7 @@ def _header_problem(sp: ShardPlan) -> str | None:
             "split this shard into smaller ones (fewer tensors or less metadata) and convert again")
 
 
-def build_plan(src: str, profile: str | None = None, drop_activation_quant: bool = False,
+def build_plan(src: str, profile: str | profiles.Profile | None = None, drop_activation_quant: bool = False,
                fp8_bf16_tp: int | None = None) -> Plan:
     """Check the whole source and plan the conversion, or raise BadInput listing every problem."""
     src = os.path.abspath(src)

@@ -18,7 +18,7 @@ import zlib
 from typing import Any, Iterable, Mapping
 
 from .. import digest, profiles
-from ..errors import BadInput, OutputError
+from ..errors import OutputError
 from ..safepath import open_regular
 from ..state.records import file_fingerprint
 
@@ -196,22 +196,26 @@ def content_change(shards: list, records: Mapping[str, dict | None], hints: Mapp
     return None, now
 
 
-def profile_identity(name: str | None) -> dict[str, str] | None:
+def profile_identity(name: "str | profiles.Profile | None") -> dict[str, str] | None:
     """``--profile`` as the run records it: what the profile is (its name and the SHA-256 of its
     file), so that a relative path given from another directory, or a name instead of the bundled
-    file's path, is the same profile; and where it was found (``file``, for a standalone
-    ``finalize`` or ``verify --source``; not compared)."""
+    file's path, is the same profile; where it was found (``file``), and its text (``toml``), from
+    which a standalone ``finalize`` or ``verify --source`` rebuilds it wherever the file went since
+    (neither compared: the SHA-256 is the profile)."""
     if not name:
         return None
     p = profiles.named(name)  # BadInput naming the file or the known names
-    try:
-        with open(p.path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise BadInput(f"cannot read profile: {e.strerror}", file=p.path) from None
-    return {"name": p.name, "sha256": hashlib.sha256(data).hexdigest(), "file": os.path.abspath(p.path)}
+    return {"name": p.name, "sha256": hashlib.sha256(p.text.encode()).hexdigest(), "file": os.path.abspath(p.path),
+            "toml": p.text}
 
 
-def profile_argument(recorded: Any) -> str | None:
-    """The ``--profile`` that rebuilds a recorded run's plan (``profile_identity``'s file)."""
-    return recorded.get("file") if isinstance(recorded, dict) else recorded
+def profile_argument(recorded: Any) -> "str | profiles.Profile | None":
+    """The ``--profile`` that rebuilds a recorded run's plan: the recorded text (``toml``) where its
+    SHA-256 is the recorded one, so that a profile file moved, removed or edited since is the profile
+    the run used (issue 40); else, for a run recorded before the text was, the file."""
+    if not isinstance(recorded, dict):
+        return recorded
+    text, where = recorded.get("toml"), recorded.get("file")
+    if isinstance(text, str) and hashlib.sha256(text.encode()).hexdigest() == recorded.get("sha256"):
+        return profiles.parse(text, where if isinstance(where, str) else f"{recorded.get('name')}.toml")
+    return where

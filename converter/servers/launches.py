@@ -31,7 +31,7 @@ from .topology import Topology
 
 PLUGIN = "vllm-rocm-plugin"
 PLUGIN_ENV = "VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1"   # without both the plugin refuses (route.decide)
-PLUGIN_INSTALL = "pip install --no-deps k3convert"                 # into the image's Python: vLLM, torch, aiter stay
+PLUGIN_INSTALL = "pip install --no-deps /path/to/k3convert"   # k3convert is not on PyPI: a checkout or its wheel
 TWO_NODES = ("--data-parallel-size-local 1 --data-parallel-address HEAD --data-parallel-rpc-port 13345 on both "
              "nodes (HEAD: the first node's address), --data-parallel-start-rank 1 --headless on the second")
 
@@ -122,11 +122,13 @@ def _fit(ctx: Context, topo: Topology) -> Fit | None:
 
 
 def _memory(f: Fit | None) -> str:
-    """'195 GB of weights per rank; fits MI325X 256 GiB (57.7 GB left for the KV cache); not MI300X 192 GiB
+    """'195 GB of weights per rank (routed experts 191, the rest 3.75);
+    fits MI325X 256 GiB (57.7 GB left for the KV cache); not MI300X 192 GiB
     (5.53 GB short) (gpu_memory_utilization 0.92: vLLM 0.33.0's default 0.92)'."""
     if f is None:
         return ""
-    text = f"{f.weights / 1e9:.3g} GB of weights per rank"
+    text = (f"{f.weights / 1e9:.3g} GB of weights per rank (routed experts {f.experts / 1e9:.3g}, the rest "
+            f"{(f.rest + f.replicated) / 1e9:.3g})")
     known = {g: b for g, b in f.gpus.items() if b}
     if not known:
         return text
@@ -197,7 +199,8 @@ def _server_block(server: str, mine: list[Outcome], repo: str) -> list[str]:
     if any(passing.values()):
         code = ["```bash"]
         if server == PLUGIN:
-            code += [f"{PLUGIN_INSTALL}    # the plugin, into the ROCm image's Python; its vLLM, torch, aiter stay",
+            code += [f"{PLUGIN_INSTALL}    # a checkout or wheel of k3convert (not on PyPI): the plugin, into the "
+                     "ROCm image's Python; its vLLM, torch, aiter stay",
                      f"export {PLUGIN_ENV}"]
         for x in launches:
             if passing[x]:

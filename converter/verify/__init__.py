@@ -55,7 +55,8 @@ def verify(dst: str, source: str | None = None, sample: int | None = 8, *, check
            loader_matcher: bool | None = None,
            on_check: Callable[[Check], None] | None = None,
            on_start: Callable[[str], None] | None = None) -> VerifyResult:
-    """Verify DST; problems are listed in the result (BadInput only when DST or SRC is unreadable).
+    """Verify DST; problems are listed in the result (BadInput only when DST or SRC is unreadable;
+    VerifyFailed when DST's manifest is there but not JSON: nothing else can be judged without it).
 
     ``sample``: converted tensors re-decoded when ``source`` is given (None: every one).
     ``checksums=False`` skips hashing the shards (the structural checks stay).

@@ -80,6 +80,21 @@ def read_obj(path: str, check: Check | None, types: Any = None) -> dict | None:
     return obj
 
 
+def read_manifest(dst: str) -> dict | None:
+    """DST's manifest (None: absent). One that is not JSON (a truncated write, a faulty copy) fails
+    verification like any other damaged file of DST (exit 5), with verify's own advice: not the
+    converter's --overwrite (which would throw the converted shards away); a rerun of the
+    conversion writes it anew."""
+    path = os.path.join(dst, MANIFEST)
+    try:
+        return read_obj(path, None, MANIFEST_TYPES)
+    except BadInput:
+        if not os.path.isfile(path):   # a FIFO, a folder, unreadable: as read_obj says
+            raise
+        raise VerifyFailed("is not valid JSON (truncated or corrupt): DST fails verification; run the conversion "
+                           "again (the same mxfp4-to-int4 command) to write it anew", file=path) from None
+
+
 def existing_dir(path: str) -> str:
     """``path`` made absolute; BadInput (exit 2) saying whether it is missing or not a directory."""
     path = os.path.abspath(path)
@@ -101,7 +116,7 @@ class Dst:
 def load(dst: str, files: Check, index_c: Check, config_c: Check) -> Dst:
     """Read DST's JSON files and shard headers; what cannot be read is a problem of the given checks."""
     dst = existing_dir(dst)
-    manifest = read_obj(os.path.join(dst, MANIFEST), None, MANIFEST_TYPES)
+    manifest = read_manifest(dst)
     if manifest is None:
         raise BadInput(f"no {MANIFEST}: not a k3convert output directory", file=dst)
     index = read_obj(os.path.join(dst, ckpt.INDEX), index_c, INDEX_TYPES)

@@ -338,6 +338,34 @@ def test_s3_another_profile_content_is_refused(src_copy, tmp_path, monkeypatch):
     assert_clean_error(r, "other options: --profile", "kimi-k3-edited", code=4)
 
 
+@pytest.mark.parametrize("after", ["moved", "removed", "edited"])
+def test_round4_a_profile_file_moved_between_parts_is_the_recorded_profile(src_copy, tmp_path, monkeypatch, after):
+    """Round 4: a profile file moved between job parts (same content: the parts agree) made a standalone
+    `finalize` and `verify --source` look for the path the first part recorded: exit 2. Decided: the run
+    records the profile's text with its SHA-256, and rebuilds it from that (docs/decisions.md): the file
+    may move, go, or change afterwards without changing what DST was converted with."""
+    dst = str(tmp_path / "dst")
+    monkeypatch.chdir(tmp_path)
+    first = profile_copy(tmp_path / "a", name="kimi-k3-mine")   # not a bundled name: only the file says it
+    r = convert_part(src_copy, dst, "1/2", "--profile", first)
+    assert r.exit_code == 0, r.output
+    os.makedirs(tmp_path / "b")
+    second = str(tmp_path / "b" / "k3.toml")
+    os.rename(first, second)
+    r = convert_part(src_copy, dst, "2/2", "--profile", second)
+    assert r.exit_code == 0, r.output
+    if after == "removed":
+        os.remove(second)
+    elif after == "edited":
+        with open(second, "a") as f:
+            f.write("\n# edited after the run\n")
+    r = run_cli("finalize", dst)
+    assert r.exit_code == 0, r.output
+    assert manifest(dst).get("complete") is True
+    assert manifest(dst)["source"]["profile"]["name"] == "kimi-k3-mine"
+    verified(dst, src_copy)
+
+
 # ---------------------------------------- R2, R3, S1, S2, T9, S15: the source, by content, since the run began
 
 def test_r2_in_place_edit_with_size_and_mtime_restored_is_refused(src_copy, tmp_path):
@@ -527,6 +555,23 @@ def test_t13_a_truncated_run_record_is_replaced_by_overwrite(converted, tmp_path
     r = run_cli("mxfp4-to-int4", converted.src, "-o", dst, "--overwrite", *CPU)
     assert r.exit_code == 0, r.output
     assert complete(dst)
+    verified(dst, converted.src)
+
+
+def test_round4_verify_of_a_truncated_manifest_fails_with_advice_for_verify(converted, tmp_path):
+    """Round 4: `verify` of a truncated manifest said "remove it, or run with --overwrite" (the converter's
+    option, which throws the shards away) and exited 2 (bad input). A damaged manifest is a DST that fails
+    verification, exit 5 as for any other damaged file; the advice, a rerun of the conversion, works."""
+    dst = copy_dst(converted, tmp_path)
+    _truncate(os.path.join(dst, MANIFEST))
+    for args in ([], ["--json"]):
+        r = run_cli("verify", dst, *args)
+        assert r.exit_code == 5, r.output
+    err = assert_clean_error(run_cli("verify", dst), "k3convert_manifest.json: is not valid JSON (truncated or corrupt)",
+                             "run the conversion again", code=5)
+    assert "--overwrite" not in err and "remove it" not in err, err
+    r = run_cli("mxfp4-to-int4", converted.src, "-o", dst, *CPU)
+    assert r.exit_code == 0, r.output
     verified(dst, converted.src)
 
 

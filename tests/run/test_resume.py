@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from sigint import interruptible_children
 
 import converter.fixture as fixture_mod
 from converter.cli import main as cli_main
@@ -157,19 +158,12 @@ class Run:
 
     def __init__(self, src: str, dst: str, *extra: str):
         env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        # a background job (CI: ``pytest &``) ignores SIGINT, and so would the child: undo that
-        ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-        if ignored:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
+        with interruptible_children():  # a background job (CI: ``pytest &``) ignores SIGINT, and so would the child
             self.p = subprocess.Popen(
                 [sys.executable, "-m", "converter", "mxfp4-to-int4", src, "-o", dst, "--progress", "json",
                  "--devices", "cpu", *extra],
                 cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 text=True, start_new_session=True)  # its own process group: the command and its workers
-        finally:
-            if ignored:
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
         _RUNS.append(self)
         self.events: list[dict] = []
         self.text: list[str] = []

@@ -218,13 +218,15 @@ def test_bad_weight_shape_and_scale_dtype(dst):
 
 
 def test_incomplete_manifest_fails_and_unreadable_manifest_is_bad_input(dst):
+    """An incomplete manifest fails its check; one that is not JSON fails verification (exit 5: DST is
+    damaged, issue 40's round-4 item); none at all is bad input (not a k3convert output)."""
     m = _json(os.path.join(dst, MANIFEST))
     m["complete"] = False
     write_json(os.path.join(dst, MANIFEST), m)
     assert "manifest" in _failed(verify(dst))
     with open(os.path.join(dst, MANIFEST), "w") as f:
         f.write("{not json")
-    with pytest.raises(BadInput):
+    with pytest.raises(VerifyFailed, match="is not valid JSON"):
         verify(dst)
     os.unlink(os.path.join(dst, MANIFEST))
     with pytest.raises(BadInput):
