@@ -198,7 +198,7 @@ def _child_main(out_path: str) -> None:
 
 def test_triton_kernel_matches_cpu(tmp_path):
     pytest.importorskip("triton")
-    got = run_interpreted("test_scale_rule", tmp_path / "out.npz")
+    got = run_interpreted(__name__, tmp_path / "out.npz")
     for name, (p, s) in {"classes": _every_class(), "realistic": _realistic(2048, seed=5)}.items():
         ref = cpu_kernel.server_requantize(p, s, [0, 7, 300, 301, p.shape[0]])
         assert np.array_equal(got[f"{name}.packed"], ref.packed.numpy()), name

@@ -17,7 +17,7 @@ REPO = HERE.parents[1]
 
 
 def run_interpreted(module: str, out: pathlib.Path) -> dict[str, np.ndarray]:
-    """``module._child_main(out)`` under the Triton interpreter; its arrays."""
+    """``module._child_main(out)`` under the Triton interpreter (``module``: the test's ``__name__``); its arrays."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")]))
     code = f"import sys, {module} as t; t._child_main(sys.argv[1])"

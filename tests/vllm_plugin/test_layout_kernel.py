@@ -84,7 +84,7 @@ def _child_main(out: str) -> None:
 
 @pytest.fixture(scope="module")
 def fused(tmp_path_factory) -> dict[str, np.ndarray]:
-    return run_interpreted("test_layout_kernel", tmp_path_factory.mktemp("layout") / "out.npz")
+    return run_interpreted(__name__, tmp_path_factory.mktemp("layout") / "out.npz")
 
 
 @pytest.mark.parametrize("helpers", ["vllm", "aiter"])

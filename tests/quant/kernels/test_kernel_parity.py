@@ -170,7 +170,7 @@ def _child_main(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def kernel_out(tmp_path_factory) -> dict[str, np.ndarray]:
-    return run_interpreted("test_kernel_parity", tmp_path_factory.mktemp("kernel") / "out.npz")
+    return run_interpreted(__name__, tmp_path_factory.mktemp("kernel") / "out.npz")
 
 
 def _check(kernel_out: dict[str, np.ndarray], name: str) -> None:

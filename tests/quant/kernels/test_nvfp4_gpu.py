@@ -49,7 +49,7 @@ def _child_main(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory) -> dict[str, np.ndarray]:
-    return run_interpreted("test_nvfp4_gpu", tmp_path_factory.mktemp("nvfp4") / "out.npz")
+    return run_interpreted(__name__, tmp_path_factory.mktemp("nvfp4") / "out.npz")
 
 
 @pytest.mark.parametrize("name", [f"adversarial-{n}" for n in GSCALES] + ["student-t"])
