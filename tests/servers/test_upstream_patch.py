@@ -40,7 +40,7 @@ PATCHES = {
     "aiter": REPO / "patches" / "vllm-0.34.0-ct-int4-situ-gfx942.patch",
     "silu": REPO / "patches" / "vllm-0.34.0-flydsl-silu-only-gfx950.patch",
 }
-SCRIPT = REPO / "tests" / "vllm_scripts" / "upstream_patch_load.py"
+SCRIPT = REPO / "tests" / "support" / "vllm_scripts" / "upstream_patch_load.py"
 SRC_ENV, PY_ENV = "K3CONVERT_VLLM034_SRC", "K3CONVERT_VLLM034_PYTHON"
 PATCH_TESTS = ("tests/quantization/test_moe_wna16_aiter.py",
                "tests/quantization/test_compressed_tensors_flydsl_silu.py",
