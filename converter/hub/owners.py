@@ -21,15 +21,30 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import uuid
 from typing import Iterator
 
-from ..errors import OutputError
+from ..errors import BadInput, OutputError
 from ..safepath import lock_file
 
 VIEWS = ".k3convert-views"   # under the cache folder
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def is_sha256(sha: object) -> bool:
+    """A blob name huggingface_hub could have written: 64 lowercase hex digits, never a path."""
+    return isinstance(sha, str) and _SHA256.fullmatch(sha) is not None
+
+
+def _blob_name(sha: str, where: str) -> str:
+    """``sha`` as a file name under the cache, refused (BadInput) unless it is a SHA-256: the
+    Hub's listing is untrusted and this name is joined to the cache's folders."""
+    if not is_sha256(sha):
+        raise BadInput(f"malformed SHA-256 {sha[:80]!r}: not used as a file name", file=where)
+    return sha
 
 
 class Fate(enum.Enum):
@@ -164,6 +179,7 @@ class RunSpace:
     def before_fetch(self, sha: str, size: int) -> bool:
         """A blob about to be fetched: marked k3convert's unless it is complete in the cache already
         (then it is the user's, or an earlier run's that is marked). Whether it was there."""
+        _blob_name(sha, self.marks)
         try:
             with self.locked():
                 if self._complete(sha, size):
@@ -185,7 +201,7 @@ class RunSpace:
         return self._let_go(sha, paths, keep=False, bad=True) is Fate.REMOVED
 
     def _let_go(self, sha: str, paths: list[str], keep: bool, bad: bool) -> Fate:
-        mark = os.path.join(self.marks, sha)
+        mark = os.path.join(self.marks, _blob_name(sha, self.marks))
         try:
             with self.locked():
                 self.needs.discard(sha)

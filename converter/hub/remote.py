@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..digest import sha256_of
 from ..errors import BadInput, OutputError
 from ..formats.safetensors_io import MAX_HEADER
-from .owners import io_error
+from .owners import io_error, is_sha256
 from .source import HubSource
 
 FIRST_RANGE = 100_000  # bytes asked for first, as huggingface_hub's get_safetensors_metadata does
@@ -112,7 +112,11 @@ def resolve(source: HubSource, token: str | None = None) -> Snapshot:
         if size > MAX_LISTED:
             raise BadInput(f"the Hub lists {size:,} bytes for it, more than any file this tool reads "
                            f"({MAX_LISTED:,} bytes at most)", file=f"{source.repo}/{s.rfilename}")
-        files[s.rfilename] = RemoteFile(s.rfilename, size, s.lfs.sha256 if s.lfs else None)
+        sha = s.lfs.sha256 if s.lfs else None
+        if sha is not None and not is_sha256(sha):   # it names files in the cache: never a path
+            raise BadInput(f"the Hub lists a malformed SHA-256 for it ({str(sha)[:80]!r})",
+                           file=f"{source.repo}/{s.rfilename}")
+        files[s.rfilename] = RemoteFile(s.rfilename, size, sha)
     return Snapshot(source, info.sha, files)
 
 
