@@ -205,7 +205,10 @@ class RunSpace:
         try:
             with self.locked():
                 self.needs.discard(sha)
-                self._write_needs()
+                # A full disk must not abort the run here (removing the blob is what frees space); a
+                # stale needs.json only lists more, so another run keeps a blob longer, never less.
+                with contextlib.suppress(OSError):
+                    self._write_needs()
                 if not os.path.exists(mark):
                     return Fate.YOURS
                 if keep:

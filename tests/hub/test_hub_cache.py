@@ -344,3 +344,24 @@ def test_owners_refuse_a_sha256_that_is_a_path(step, tmp_path):
         space.close()
     assert victim.read_text() == "the user's"
     assert sorted(os.listdir(tmp_path)) == ["cache", "victim"]
+
+
+def test_a_full_disk_when_rewriting_needs_json_still_removes_the_blob(tmp_path, monkeypatch):
+    import errno
+
+    from converter.hub.owners import Fate, RunSpace
+    space = RunSpace(str(tmp_path / "cache"), "org/kimi")
+    sha = "ab" * 32
+    try:
+        space.claim({sha})
+        assert space.before_fetch(sha, 3) is False      # marked k3convert's
+        os.makedirs(space.blobs, exist_ok=True)
+        Path(space.blobs, sha).write_bytes(b"abc")
+
+        def full(*a):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(space, "_write_needs", full)
+        assert space.release(sha, [], keep=False) is Fate.REMOVED
+        assert not os.path.exists(os.path.join(space.blobs, sha))
+    finally:
+        space.close()
