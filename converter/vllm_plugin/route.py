@@ -224,7 +224,8 @@ def is_k3_int4(quant_cfg: Any, user_quant: str | None, hf_config: Any) -> bool:
 
 
 def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
-           machine: Machine | Callable[[], Machine], tensors: Iterable[str] | None = None) -> str | None:
+           machine: Machine | Callable[[], Machine],
+           tensors: Iterable[str] | Callable[[], Iterable[str] | None] | None = None) -> str | None:
     """The override_quantization_method answer for this checkpoint on this machine.
 
     None where the plugin is not meant for the checkpoint (stock vLLM decides) or on CUDA/CPU, whose
@@ -233,7 +234,8 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
     to bf16 (EMULATION: out of memory at K3's size) or, with --moe-backend flydsl on gfx950, compute SiLU.
     A K3 int4 config whose SiTU fields sit at top level beside text_config is refused on every platform
     (`situ_fields`): vLLM would build its experts from text_config's, SiLU by default.
-    ``tensors``: the checkpoint's tensor names where known (its index), for K3.1's DSA rule
+    ``tensors``: the checkpoint's tensor names where known (its index), or a callable that reads them
+    (called only here, for a K3 int4 checkpoint on ROCm, like ``machine``), for K3.1's DSA rule
     (formats/kimi_dsa.py, the rule `verify --serving` runs): a K3.1 this release's ROCm classes
     cannot load, or whose dsa_config and indexer tensors disagree, is refused before the load.
     """
@@ -255,7 +257,8 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
         raise Refused("AITER MoE is off: set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1 (stock vLLM would "
                       "dequantize the int4 experts to bf16: about 4x their memory); " + OFF)
     release = release_of(m.vllm_version, _get(hf_config, "model_type"))
-    if found := kimi_dsa.problem(hf_config, tensors, release, rocm=True):
+    names = tensors() if callable(tensors) else tensors
+    if found := kimi_dsa.problem(hf_config, names, release, rocm=True):
         raise Refused(found[0])
     if (why := gemm1_problem(m.gemm1, m.gemm1_error)) is not None:
         raise Refused(why)
