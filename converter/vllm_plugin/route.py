@@ -11,7 +11,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from ..formats import kimi_dsa
-from ..formats.activation_fields import SITU_FIELDS, ActivationConflict, find as find_activation
+from ..formats.activation_fields import (
+    SITU_FIELDS,
+    ActivationConflict,
+    config_field,
+    find as find_activation,
+)
 from ..releases import NEWEST_VLLM, Release, all_kimi_model_types, proven_vllm, unbuilt, vllm_release
 
 NAME = "k3convert-int4-gfx942"
@@ -47,10 +52,6 @@ class Machine:
     aiter_silu_int4: bool = False              # aiter still has SILU_INT4_MODULE (found, never imported)
 
 
-def _get(cfg: Any, key: str) -> Any:
-    return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
-
-
 def check_dims(n: int, k: int) -> str | None:
     """Why an [N, K] expert matrix cannot take the plugin's layout, or None."""
     if n % SHUFFLE_N:
@@ -83,11 +84,6 @@ def situ_fields(hf_config: Any) -> dict[str, Any]:
         raise Refused(f"config.json {e}") from None
 
 
-def text_config(hf_config: Any) -> Any:
-    """K3 keeps the language model's fields (hidden_act, situ betas) in text_config."""
-    return _get(hf_config, "text_config") or hf_config
-
-
 # Kimi K3, K3.1 and the MTP draft as vLLM's speculative config renames it: every proven release's
 # Kimi K3 classes (the same KimiDecoderLayer/KimiMoE, the same SiTU experts; docs/vllm_plugin.md).
 K3_MODEL_TYPES = all_kimi_model_types()
@@ -95,7 +91,7 @@ K3_MODEL_TYPES = all_kimi_model_types()
 
 def is_kimi_k3(hf_config: Any) -> bool:
     """A model some proven vLLM builds with its Kimi K3 classes."""
-    return hf_config is not None and _get(hf_config, "model_type") in K3_MODEL_TYPES
+    return hf_config is not None and config_field(hf_config, "model_type") in K3_MODEL_TYPES
 
 
 def release_of(vllm_version: str, model_type: Any) -> Release:
@@ -256,7 +252,7 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
     if not m.aiter_moe_enabled:
         raise Refused("AITER MoE is off: set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1 (stock vLLM would "
                       "dequantize the int4 experts to bf16: about 4x their memory); " + OFF)
-    release = release_of(m.vllm_version, _get(hf_config, "model_type"))
+    release = release_of(m.vllm_version, config_field(hf_config, "model_type"))
     names = tensors() if callable(tensors) else tensors
     if found := kimi_dsa.problem(hf_config, names, release, rocm=True):
         raise Refused(found[0])
@@ -285,7 +281,7 @@ PADDING_FIX = ("serve with a TP size of at most 12 (K3: 3072 / TP >= 256), e.g. 
 
 def kimi_min_per_rank(text_cfg: Any) -> int:
     """KimiMoE's minimum per-rank intermediate size for this (text) config."""
-    value = _get(text_cfg, KIMI_MIN_KEY)
+    value = config_field(text_cfg, KIMI_MIN_KEY)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else KIMI_MIN_PER_RANK
 
 
