@@ -64,6 +64,12 @@ def io_error(e: OSError, path: str, what: str) -> OutputError:
     return OutputError(f"{what} failed: {e.strerror}", file=path)
 
 
+def repo_folder(cache_dir: str, repo: str) -> str:
+    """The repository's folder in a Hugging Face cache, named as huggingface_hub names it."""
+    from huggingface_hub.file_download import repo_folder_name
+    return os.path.join(cache_dir, repo_folder_name(repo_id=repo, repo_type="model"))
+
+
 def _probe_lock(path: str):
     """The lock file ``path`` taken exclusively without waiting (the file object: its holder is dead),
     or None (a live run holds it, or it is gone)."""
@@ -90,7 +96,7 @@ class RunSpace:
     def __init__(self, cache_dir: str, repo: str):
         self.cache_dir = os.path.abspath(cache_dir)
         self.repo_dir = os.path.join(self.cache_dir, VIEWS, repo.replace("/", "--"))
-        self.blobs = os.path.join(self.cache_dir, "models--" + repo.replace("/", "--"), "blobs")
+        self.blobs = os.path.join(repo_folder(self.cache_dir, repo), "blobs")
         self.marks = os.path.join(self.repo_dir, "fetched")
         runs = os.path.join(self.repo_dir, "runs")
         ident = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
