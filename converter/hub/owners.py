@@ -25,10 +25,10 @@ import re
 import shutil
 import socket
 import uuid
-from typing import Iterator
+from typing import IO, Iterator
 
 from ..errors import BadInput, OutputError
-from ..safepath import lock_file
+from ..safepath import lock_file, try_lock
 
 VIEWS = ".k3convert-views"   # under the cache folder
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -70,20 +70,12 @@ def repo_folder(cache_dir: str, repo: str) -> str:
     return os.path.join(cache_dir, repo_folder_name(repo_id=repo, repo_type="model"))
 
 
-def _probe_lock(path: str):
-    """The lock file ``path`` taken exclusively without waiting (the file object: its holder is dead),
-    or None (a live run holds it, or it is gone)."""
+def _probe_lock(path: str) -> IO[str] | None:
+    """The lock file ``path`` taken (its holder is dead), or None (a live run holds it, or it is gone)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return try_lock(path)
     except OSError:
         return None
-    f = os.fdopen(fd, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        return None
-    return f
 
 
 class RunSpace:
