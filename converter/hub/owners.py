@@ -29,6 +29,7 @@ from typing import IO, Iterator
 
 from ..errors import BadInput, OutputError
 from ..safepath import lock_file, try_lock
+from ..state.atomic import atomic_write
 
 VIEWS = ".k3convert-views"   # under the cache folder
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -142,10 +143,7 @@ class RunSpace:
                     shutil.rmtree(folder, ignore_errors=True)
 
     def _write_needs(self) -> None:
-        tmp = os.path.join(self.root, "needs.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(sorted(self.needs), f)
-        os.replace(tmp, os.path.join(self.root, "needs.json"))
+        atomic_write(os.path.join(self.root, "needs.json"), json.dumps(sorted(self.needs)).encode())
 
     def _others_need(self, sha: str) -> bool:
         for folder in self._live_runs():
@@ -205,7 +203,7 @@ class RunSpace:
                 self.needs.discard(sha)
                 # A full disk must not abort the run here (removing the blob is what frees space); a
                 # stale needs.json only lists more, so another run keeps a blob longer, never less.
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError, OutputError):
                     self._write_needs()
                 if not os.path.exists(mark):
                     return Fate.YOURS
