@@ -44,7 +44,7 @@ def _blob_name(sha: str, where: str) -> str:
     """``sha`` as a file name under the cache, refused (BadInput) unless it is a SHA-256: the
     Hub's listing is untrusted and this name is joined to the cache's folders."""
     if not is_sha256(sha):
-        raise BadInput(f"malformed SHA-256 {sha[:80]!r}: not used as a file name", file=where)
+        raise BadInput(f"malformed SHA-256 {str(sha)[:80]!r}: not used as a file name", file=where)
     return sha
 
 
