@@ -8,6 +8,8 @@ path. Shard names must be plain file names; every file read from SRC must resolv
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import stat
 from typing import IO
@@ -95,6 +97,28 @@ def lock_file(path: str) -> IO[str]:
         return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "a+")
     except OSError as e:
         raise OutputError(f"cannot open lock file ({e.strerror}; a symlink is refused)", file=path) from None
+
+
+def try_lock(path: str) -> IO[str] | None:
+    """The existing lock file ``path`` locked exclusively without waiting (the open file: closing it
+    lets go), or None where another process holds it. Never created, never through a symlink; opened
+    read-only where it cannot be written (another user's). OSError where it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    f = os.fdopen(fd, "r")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 def file_kind(mode: int) -> str:

@@ -38,6 +38,17 @@ def nested(config: Any) -> Any:
     return value if found and value is not None and not isinstance(value, (str, int, float, list)) else None
 
 
+def config_field(config: Any, key: str) -> Any:
+    """``key`` of a config.json dict or of vLLM's config object (None where absent): the one getter."""
+    return config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+
+
+def text_config(config: Any) -> Any:
+    """Where the language model's fields are read: the config's text_config, else the config itself."""
+    text = nested(config)
+    return config if text is None else text
+
+
 def find(config: Any, keys: Iterable[str]) -> dict[str, tuple[Any, str]]:
     """Each of ``keys`` the model reads: key -> (value, "text_config" or "top-level"), absent keys left out.
 

@@ -15,14 +15,11 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ..releases import VLLM, Release, all_kimi_model_types
+from .activation_fields import config_field, text_config
 
 INDEXER_PARTS = ("wq_b", "wk", "weights_proj", "k_norm")
 INDEXER = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:dsa_)?indexer\.(\w+)\.")
 PLACE = "text_config.dsa_config"
-
-
-def _get(cfg: Any, key: str) -> Any:
-    return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
 
 
 @dataclass(frozen=True)
@@ -48,17 +45,17 @@ class Dsa:
 
 def read(config: Any, tensors: Iterable[str] | None = None) -> Dsa:
     """The DSA a config states (a dict, or vLLM's config objects) and the indexer tensors among ``tensors``."""
-    text = _get(config, "text_config")
-    nested = text is not None
-    found = _get(text if nested else config, "dsa_config")
+    text = text_config(config)
+    nested = text is not config
+    found = config_field(text, "dsa_config")
     where = PLACE if nested else "dsa_config"
     unusable, raises = None, False
-    if nested and _get(config, "dsa_config") is not None and found is None:
+    if nested and config_field(config, "dsa_config") is not None and found is None:
         unusable = f"dsa_config is stated at top level, where vLLM does not read it (it reads {PLACE})"
     layers: tuple[int, ...] | None = None
     if found is not None:
-        listed = _get(found, "dsa_layers")
-        listed = _get(found, "layers") if listed is None else listed
+        listed = config_field(found, "dsa_layers")
+        listed = config_field(found, "layers") if listed is None else listed
         raises = True
         if not isinstance(found, Mapping) and not hasattr(found, "dsa_layers"):
             unusable = f"{where} is {found!r}, not a mapping"
@@ -70,7 +67,7 @@ def read(config: Any, tensors: Iterable[str] | None = None) -> Dsa:
             unusable = f"{where}.dsa_layers {listed!r} is not a list of 1-based layer numbers"
         else:
             layers, raises = tuple(sorted({x - 1 for x in listed})), False
-    stated = _get(text if nested else config, "num_hidden_layers")
+    stated = config_field(text, "num_hidden_layers")
     num_layers = stated if isinstance(stated, int) and not isinstance(stated, bool) else None
     if tensors is None:
         return Dsa(layers, unusable, raises, num_layers=num_layers)
@@ -85,7 +82,7 @@ def read(config: Any, tensors: Iterable[str] | None = None) -> Dsa:
 
 def indexer_names(config: Any, tensors: Iterable[str]) -> tuple[str, ...]:
     """The DSA indexer tensors of a Kimi checkpoint (all ``read`` looks at), found once: () for other models."""
-    if _get(config, "model_type") not in all_kimi_model_types():
+    if config_field(config, "model_type") not in all_kimi_model_types():
         return ()
     return tuple(n for n in tensors if INDEXER.search(n))
 
@@ -121,7 +118,7 @@ def problem(config: Any, tensors: Iterable[str] | None, release: Release, rocm: 
     config and tensors disagree (``mismatch``), or it is a DSA model (K3.1) where the release's Kimi
     classes for that platform have no DSA (``Facts.kimi_dsa``, ``Facts.rocm_kimi_dsa``). Other models'
     indexers (DeepSeek V3.2's, GLM-5's) are their classes' business: only Kimi model types are judged."""
-    if _get(config, "model_type") not in all_kimi_model_types():
+    if config_field(config, "model_type") not in all_kimi_model_types():
         return None
     dsa = read(config, tensors)
     if why := mismatch(dsa):

@@ -127,7 +127,8 @@ def describe(source: HubSource, dst: str | None, options, cache_dir: str, ahead:
         try:
             info = pipeline.describe(p.plan, p.dst, options)
         except NoRoom as e:   # the plan first, then the refusal
-            info, refusal = e.plan or {}, e
+            assert e.plan is not None   # describe gives every NoRoom it raises its plan
+            info, refusal = e.plan, e
         todo = [s for s in selection.selected(p.plan, options)
                 if not (os.path.isdir(p.dst) and identity.shard_record(p.dst, s.name))]
         peak = staging_bytes(p.plan, todo, ahead)

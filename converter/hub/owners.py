@@ -21,15 +21,31 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import uuid
-from typing import Iterator
+from typing import IO, Iterator
 
-from ..errors import OutputError
-from ..safepath import lock_file
+from ..errors import BadInput, OutputError
+from ..safepath import lock_file, try_lock
+from ..state.atomic import atomic_write
 
 VIEWS = ".k3convert-views"   # under the cache folder
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def is_sha256(sha: object) -> bool:
+    """A blob name huggingface_hub could have written: 64 lowercase hex digits, never a path."""
+    return isinstance(sha, str) and _SHA256.fullmatch(sha) is not None
+
+
+def _blob_name(sha: str, where: str) -> str:
+    """``sha`` as a file name under the cache, refused (BadInput) unless it is a SHA-256: the
+    Hub's listing is untrusted and this name is joined to the cache's folders."""
+    if not is_sha256(sha):
+        raise BadInput(f"malformed SHA-256 {str(sha)[:80]!r}: not used as a file name", file=where)
+    return sha
 
 
 class Fate(enum.Enum):
@@ -49,20 +65,18 @@ def io_error(e: OSError, path: str, what: str) -> OutputError:
     return OutputError(f"{what} failed: {e.strerror}", file=path)
 
 
-def _probe_lock(path: str):
-    """The lock file ``path`` taken exclusively without waiting (the file object: its holder is dead),
-    or None (a live run holds it, or it is gone)."""
+def repo_folder(cache_dir: str, repo: str) -> str:
+    """The repository's folder in a Hugging Face cache, named as huggingface_hub names it."""
+    from huggingface_hub.file_download import repo_folder_name
+    return os.path.join(cache_dir, repo_folder_name(repo_id=repo, repo_type="model"))
+
+
+def _probe_lock(path: str) -> IO[str] | None:
+    """The lock file ``path`` taken (its holder is dead), or None (a live run holds it, or it is gone)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return try_lock(path)
     except OSError:
         return None
-    f = os.fdopen(fd, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        return None
-    return f
 
 
 class RunSpace:
@@ -75,7 +89,7 @@ class RunSpace:
     def __init__(self, cache_dir: str, repo: str):
         self.cache_dir = os.path.abspath(cache_dir)
         self.repo_dir = os.path.join(self.cache_dir, VIEWS, repo.replace("/", "--"))
-        self.blobs = os.path.join(self.cache_dir, "models--" + repo.replace("/", "--"), "blobs")
+        self.blobs = os.path.join(repo_folder(self.cache_dir, repo), "blobs")
         self.marks = os.path.join(self.repo_dir, "fetched")
         runs = os.path.join(self.repo_dir, "runs")
         ident = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -129,10 +143,7 @@ class RunSpace:
                     shutil.rmtree(folder, ignore_errors=True)
 
     def _write_needs(self) -> None:
-        tmp = os.path.join(self.root, "needs.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(sorted(self.needs), f)
-        os.replace(tmp, os.path.join(self.root, "needs.json"))
+        atomic_write(os.path.join(self.root, "needs.json"), json.dumps(sorted(self.needs)).encode())
 
     def _others_need(self, sha: str) -> bool:
         for folder in self._live_runs():
@@ -164,6 +175,7 @@ class RunSpace:
     def before_fetch(self, sha: str, size: int) -> bool:
         """A blob about to be fetched: marked k3convert's unless it is complete in the cache already
         (then it is the user's, or an earlier run's that is marked). Whether it was there."""
+        _blob_name(sha, self.marks)
         try:
             with self.locked():
                 if self._complete(sha, size):
@@ -185,11 +197,14 @@ class RunSpace:
         return self._let_go(sha, paths, keep=False, bad=True) is Fate.REMOVED
 
     def _let_go(self, sha: str, paths: list[str], keep: bool, bad: bool) -> Fate:
-        mark = os.path.join(self.marks, sha)
+        mark = os.path.join(self.marks, _blob_name(sha, self.marks))
         try:
             with self.locked():
                 self.needs.discard(sha)
-                self._write_needs()
+                # A full disk must not abort the run here (removing the blob is what frees space); a
+                # stale needs.json only lists more, so another run keeps a blob longer, never less.
+                with contextlib.suppress(OSError, OutputError):
+                    self._write_needs()
                 if not os.path.exists(mark):
                     return Fate.YOURS
                 if keep:

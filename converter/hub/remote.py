@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..digest import sha256_of
 from ..errors import BadInput, OutputError
 from ..formats.safetensors_io import MAX_HEADER
-from .owners import io_error
+from .owners import io_error, is_sha256, repo_folder
 from .source import HubSource
 
 FIRST_RANGE = 100_000  # bytes asked for first, as huggingface_hub's get_safetensors_metadata does
@@ -112,7 +112,11 @@ def resolve(source: HubSource, token: str | None = None) -> Snapshot:
         if size > MAX_LISTED:
             raise BadInput(f"the Hub lists {size:,} bytes for it, more than any file this tool reads "
                            f"({MAX_LISTED:,} bytes at most)", file=f"{source.repo}/{s.rfilename}")
-        files[s.rfilename] = RemoteFile(s.rfilename, size, s.lfs.sha256 if s.lfs else None)
+        sha = s.lfs.sha256 if s.lfs else None
+        if sha is not None and not is_sha256(sha):   # it names files in the cache: never a path
+            raise BadInput(f"the Hub lists a malformed SHA-256 for it ({str(sha)[:80]!r})",
+                           file=f"{source.repo}/{s.rfilename}")
+        files[s.rfilename] = RemoteFile(s.rfilename, size, sha)
     return Snapshot(source, info.sha, files)
 
 
@@ -155,11 +159,10 @@ def drop_dead_partials(snap: Snapshot, name: str, cache_dir: str) -> int:
     writes each attempt to a process-unique ``<etag>.<id>.incomplete`` (it resumes within a process,
     after a dropped connection, not across processes): a kill -9 would leave one behind per run."""
     from filelock import Timeout
-    from huggingface_hub.file_download import repo_folder_name
     from huggingface_hub.utils import WeakFileLock
     etag = snap.files[name].sha256
-    folder = repo_folder_name(repo_id=snap.source.repo, repo_type="model")
-    blobs = os.path.join(cache_dir, folder, "blobs")
+    folder = repo_folder(cache_dir, snap.source.repo)
+    blobs = os.path.join(folder, "blobs")
     try:
         dead = [e for e in os.listdir(blobs) if e.startswith(f"{etag}.") and e.endswith(".incomplete")]
     except OSError:
@@ -167,7 +170,7 @@ def drop_dead_partials(snap: Snapshot, name: str, cache_dir: str) -> int:
     if not dead or etag is None:
         return 0
     freed = 0
-    lock = os.path.join(cache_dir, ".locks", folder, f"{etag}.lock")
+    lock = os.path.join(cache_dir, ".locks", os.path.basename(folder), f"{etag}.lock")
     try:
         with WeakFileLock(lock, timeout=0.01):
             for e in dead:
@@ -216,9 +219,7 @@ def snapshot_path(source: HubSource, cache_dir: str | None = None, token: str | 
     snap = resolve(source, token)
     from huggingface_hub import constants
     cache_dir = os.path.abspath(cache_dir or constants.HF_HUB_CACHE)
-    from huggingface_hub.file_download import repo_folder_name
     for name in sorted(snap.files):
         if not name.startswith("."):
             download(snap, name, cache_dir, token)
-    return os.path.join(cache_dir, repo_folder_name(repo_id=snap.source.repo, repo_type="model"), "snapshots",
-                        snap.commit)
+    return os.path.join(repo_folder(cache_dir, snap.source.repo), "snapshots", snap.commit)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..errors import BadInput
 from ..formats import checkpoint as ckpt
+from ..state.atomic import discard
 from . import remote as remote
 from .owners import io_error
 
@@ -75,8 +76,7 @@ def write_stub(path: str, header: bytes, size: int) -> None:
             f.truncate(size)   # a hole: no blocks on disk
         os.replace(tmp, path)
     except OSError as e:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+        discard(tmp)   # never raises: the first error is the one told
         raise io_error(e, path, f"writing a {size:,}-byte sparse stub") from None
 
 
@@ -99,8 +99,7 @@ def _linked(fetched: str, dest: str) -> None:
             shutil.copyfile(fetched, tmp)
         os.replace(tmp, dest)
     except OSError as e:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+        discard(tmp)   # never raises: the first error is the one told
         raise io_error(e, dest, "putting a downloaded file in the view") from None
 
 

@@ -196,10 +196,15 @@ class GroupResult:
     out_of_range: torch.Tensor  # bool [G]
 
 
+def _out_of_range(s: torch.Tensor) -> torch.Tensor:
+    """Groups whose nonzero scale is not a normal bf16 number (subnormal or past bf16's largest)."""
+    return (s != 0) & ((s < BF16_MIN_NORMAL) | (s > BF16_MAX))
+
+
 def optimal(values: torch.Tensor, scales: torch.Tensor) -> GroupResult:
     """The least-squares int4 (codes -8..7) of groups ``values`` float64 [G, 32] given their scales
     (``search``'s, float64 [G])."""
-    bad = (scales != 0) & ((scales < BF16_MIN_NORMAL) | (scales > BF16_MAX))
+    bad = _out_of_range(scales)
     q = quantize(values, scales)
     err2 = ((q.double() * scales.unsqueeze(1) - values) ** 2).sum(1)
     return GroupResult(q, scales.to(torch.bfloat16), err2, bad)   # the scales are bf16 numbers: exact
@@ -263,7 +268,7 @@ def requantize_module(packed: torch.Tensor, block_scales: torch.Tensor, gscale: 
         from ..kernels.triton_nvfp4 import requantize
         s, words, err, ref, amax = requantize(packed.reshape(-1, 16), block_scales.reshape(-1, 2),
                                               gscale.value, gscale.divide)
-        bad = (s != 0) & ((s < BF16_MIN_NORMAL) | (s > BF16_MAX))
+        bad = _out_of_range(s)
         scales = s.to(torch.bfloat16).reshape(rows, cols // GROUP).cpu()
         return ModuleResult(words.reshape(rows, cols // 8).cpu(), scales,
                             float(err.sum()), float(ref.sum()), float(theirs.err2.sum()),

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from ..errors import OutputError
 from ..formats import checkpoint as ckpt
-from ..safepath import contains, lock_file
+from ..safepath import contains, lock_file, try_lock
 from ..state.atomic import discard
 from ..state.files import MANIFEST, REPORT, STATE_DIR, TENSOR_TABLE
 from ..state.locks import LOCKS, MANIFEST_LOCK, READ_LOCK, DstLock, writing
@@ -172,16 +172,13 @@ def held(path: str) -> bool:
     """Whether another process holds a flock on the lock file ``path`` (absent: no). Probed
     exclusively without waiting and released at once; nothing is created."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        f = try_lock(path)
     except OSError:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
+    if f is None:
         return True
-    finally:
-        os.close(fd)
+    f.close()
+    return False
 
 
 def prepare_dst(plan: Plan, dst: str, options: Options) -> DstLock:

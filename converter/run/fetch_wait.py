@@ -13,6 +13,7 @@ pending stops too, never waiting for a file that will not come.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -20,7 +21,7 @@ import time
 
 from ..errors import ConvertError, OutputError, from_event
 from ..safepath import lock_file
-from ..state.atomic import discard
+from ..state.atomic import atomic_write, discard
 from .dst import held
 
 PENDING = ".k3convert-pending"   # hidden: never taken for a side file or walked by inspect
@@ -65,14 +66,8 @@ def arrived(path: str) -> None:
 def failed(path: str, e: ConvertError) -> None:
     """Tell the workers waiting for ``path`` that it will not come, and why: the error file appears
     whole (renamed into place) or not at all; never raises (the holder's lock says the rest)."""
-    err = _marker(path, ".error")
-    tmp = f"{err}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump({"message": str(e), "code": e.exit_code}, f)
-        os.replace(tmp, err)
-    except OSError:
-        discard(tmp)
+    with contextlib.suppress(OutputError):
+        atomic_write(_marker(path, ".error"), json.dumps({"message": str(e), "code": e.exit_code}).encode())
 
 
 def _error(path: str) -> dict | None:

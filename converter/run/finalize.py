@@ -5,7 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from ..digest import bytes_digest, file_digest
 from ..errors import OutputError
@@ -63,10 +63,13 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
                                   file=dst)
             if options is None:
                 options = Options.recorded(run.get("options") or {})
-            if plan is None and not os.path.isabs(str(run.get("source"))):   # a Hub commit (Plan.origin)
-                raise OutputError(f"converted from the Hub commit {run.get('source')}, whose files were that run's "
-                                  f"own: finish it with k3convert mxfp4-to-int4 {run.get('source')} -o {dst} and the "
+            if plan is None and (hub := hub_source(run)) is not None:   # a Hub commit (Plan.origin)
+                raise OutputError(f"converted from the Hub commit {hub}, whose files were that run's "
+                                  f"own: finish it with k3convert mxfp4-to-int4 {hub} -o {dst} and the "
                                   "same options (what is converted is kept)", file=dst)
+            if plan is None and not isinstance(run.get("source"), str):
+                raise OutputError("its run record names no source: nothing to finalize; rerun mxfp4-to-int4 "
+                                  "with --overwrite to start again", file=dst)
             plan = plan or options.plan(run["source"])
             # what run.json records is what the shards were converted from, with: checked here too
             what = identity_difference(run, run_identity(plan, options)) or source_change(dst, plan, run)[0]
@@ -75,6 +78,16 @@ def finalize(dst: str, plan: Plan | None = None, options: Options | None = None)
                                   f"{named(run)}: rerun mxfp4-to-int4 (--overwrite to start again)", file=dst)
             with writing(dst):
                 return _finalize_locked(dst, plan, options, run, t0)
+
+
+def hub_source(run: Mapping[str, Any]) -> str | None:
+    """``ORG/NAME@COMMIT`` where the run record's shards came from the Hub (their identities say so:
+    hub/convert.py ``shard_identity``), else None; the record's source where it has one."""
+    for ident in (run.get("shards") or {}).values():
+        if isinstance(ident, dict) and isinstance(ident.get("hub"), str):
+            source = run.get("source")
+            return source if isinstance(source, str) else f"{ident['hub']}@{ident.get('commit')}"
+    return None
 
 
 def _makedirs(path: str) -> None:

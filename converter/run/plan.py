@@ -10,6 +10,7 @@ one), which reads the others from their shards by offset, tensor by tensor (docs
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -113,9 +114,10 @@ class Plan:
         """The source as recorded: ``origin``, else the folder."""
         return self.origin or self.src
 
-    @property
+    @functools.cached_property
     def experts(self) -> int:
-        """Routed experts per layer (the highest index converted, plus one; 0 without any)."""
+        """Routed experts per layer (the highest index converted, plus one; 0 without any). Cached:
+        a plan is not changed once made (a changed copy is a new Plan, dataclasses.replace)."""
         return 1 + max((c.expert for s in self.shards for c in s.converts if c.expert is not None), default=-1)
 
     @property

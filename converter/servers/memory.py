@@ -13,6 +13,7 @@ from ..formats.safetensors_io import TensorInfo
 from ..releases import Release, Replicated
 from ..vllm_plugin import route as plugin_route
 from .headers import W123_MODELS, Matrix, config_size, model_types
+from .loaders import text_config
 from .topology import Topology, local_experts, pp_stages
 
 _ITEMSIZE = {"I32": 4, "BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I64": 8}
@@ -123,7 +124,7 @@ def kimi_min_per_rank(config: dict | None) -> int:
     """vLLM KimiMoE's minimum per-rank intermediate size for a Kimi checkpoint, 0 for other models."""
     if not model_types(config) & set(W123_MODELS):
         return 0
-    return plugin_route.kimi_min_per_rank(plugin_route.text_config(config or {}))
+    return plugin_route.kimi_min_per_rank(text_config(config))
 
 
 def kimi_padding(sizes: Mapping[str, tuple[int, int]], tp: int, minimum: int) -> list[tuple[str, tuple[int, int]]]:
@@ -205,8 +206,7 @@ def rest_of(tensors: Mapping[str, TensorInfo], mats: list[Matrix], release: Rele
             sharded += _nbytes(info)
         else:
             whole[i] += _nbytes(info)
-    text = (config or {}).get("text_config")
-    text = text if isinstance(text, dict) else (config or {})
+    text = text_config(config)
     return Rest(sharded, tuple((r, n) for r, n in zip(rows, whole) if n), text)
 
 

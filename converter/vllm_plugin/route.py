@@ -11,7 +11,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from ..formats import kimi_dsa
-from ..formats.activation_fields import SITU_FIELDS, ActivationConflict, find as find_activation
+from ..formats.activation_fields import (
+    SITU_FIELDS,
+    ActivationConflict,
+    config_field,
+    find as find_activation,
+)
 from ..releases import NEWEST_VLLM, Release, all_kimi_model_types, proven_vllm, unbuilt, vllm_release
 
 NAME = "k3convert-int4-gfx942"
@@ -47,10 +52,6 @@ class Machine:
     aiter_silu_int4: bool = False              # aiter still has SILU_INT4_MODULE (found, never imported)
 
 
-def _get(cfg: Any, key: str) -> Any:
-    return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
-
-
 def check_dims(n: int, k: int) -> str | None:
     """Why an [N, K] expert matrix cannot take the plugin's layout, or None."""
     if n % SHUFFLE_N:
@@ -83,11 +84,6 @@ def situ_fields(hf_config: Any) -> dict[str, Any]:
         raise Refused(f"config.json {e}") from None
 
 
-def text_config(hf_config: Any) -> Any:
-    """K3 keeps the language model's fields (hidden_act, situ betas) in text_config."""
-    return _get(hf_config, "text_config") or hf_config
-
-
 # Kimi K3, K3.1 and the MTP draft as vLLM's speculative config renames it: every proven release's
 # Kimi K3 classes (the same KimiDecoderLayer/KimiMoE, the same SiTU experts; docs/vllm_plugin.md).
 K3_MODEL_TYPES = all_kimi_model_types()
@@ -95,7 +91,7 @@ K3_MODEL_TYPES = all_kimi_model_types()
 
 def is_kimi_k3(hf_config: Any) -> bool:
     """A model some proven vLLM builds with its Kimi K3 classes."""
-    return hf_config is not None and _get(hf_config, "model_type") in K3_MODEL_TYPES
+    return hf_config is not None and config_field(hf_config, "model_type") in K3_MODEL_TYPES
 
 
 def release_of(vllm_version: str, model_type: Any) -> Release:
@@ -224,7 +220,8 @@ def is_k3_int4(quant_cfg: Any, user_quant: str | None, hf_config: Any) -> bool:
 
 
 def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
-           machine: Machine | Callable[[], Machine], tensors: Iterable[str] | None = None) -> str | None:
+           machine: Machine | Callable[[], Machine],
+           tensors: Iterable[str] | Callable[[], Iterable[str] | None] | None = None) -> str | None:
     """The override_quantization_method answer for this checkpoint on this machine.
 
     None where the plugin is not meant for the checkpoint (stock vLLM decides) or on CUDA/CPU, whose
@@ -233,7 +230,8 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
     to bf16 (EMULATION: out of memory at K3's size) or, with --moe-backend flydsl on gfx950, compute SiLU.
     A K3 int4 config whose SiTU fields sit at top level beside text_config is refused on every platform
     (`situ_fields`): vLLM would build its experts from text_config's, SiLU by default.
-    ``tensors``: the checkpoint's tensor names where known (its index), for K3.1's DSA rule
+    ``tensors``: the checkpoint's tensor names where known (its index), or a callable that reads them
+    (called only here, for a K3 int4 checkpoint on ROCm, like ``machine``), for K3.1's DSA rule
     (formats/kimi_dsa.py, the rule `verify --serving` runs): a K3.1 this release's ROCm classes
     cannot load, or whose dsa_config and indexer tensors disagree, is refused before the load.
     """
@@ -254,8 +252,9 @@ def decide(quant_cfg: Mapping | None, user_quant: str | None, hf_config: Any,
     if not m.aiter_moe_enabled:
         raise Refused("AITER MoE is off: set VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_MOE=1 (stock vLLM would "
                       "dequantize the int4 experts to bf16: about 4x their memory); " + OFF)
-    release = release_of(m.vllm_version, _get(hf_config, "model_type"))
-    if found := kimi_dsa.problem(hf_config, tensors, release, rocm=True):
+    release = release_of(m.vllm_version, config_field(hf_config, "model_type"))
+    names = tensors() if callable(tensors) else tensors
+    if found := kimi_dsa.problem(hf_config, names, release, rocm=True):
         raise Refused(found[0])
     if (why := gemm1_problem(m.gemm1, m.gemm1_error)) is not None:
         raise Refused(why)
@@ -282,7 +281,7 @@ PADDING_FIX = ("serve with a TP size of at most 12 (K3: 3072 / TP >= 256), e.g. 
 
 def kimi_min_per_rank(text_cfg: Any) -> int:
     """KimiMoE's minimum per-rank intermediate size for this (text) config."""
-    value = _get(text_cfg, KIMI_MIN_KEY)
+    value = config_field(text_cfg, KIMI_MIN_KEY)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else KIMI_MIN_PER_RANK
 
 

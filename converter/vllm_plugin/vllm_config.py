@@ -84,7 +84,8 @@ class K3Int4Gfx942Config(CompressedTensorsConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
                                      hf_config: Any = None) -> str | None:
-        return route.decide(hf_quant_cfg, user_quant, hf_config, machine, tensors=tensor_names(hf_config))
+        return route.decide(hf_quant_cfg, user_quant, hf_config, machine,
+                            tensors=lambda: tensor_names(hf_config))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.fused_moe import RoutedExperts

@@ -307,3 +307,61 @@ def test_dry_run_without_room_shows_the_plan_then_the_refusal(where, hub, src, t
     one_line(r, 4, "needs", "free")
     for key in ("shards_todo", "experts", "workers", "bytes_out"):
         assert f"{key}:" in r.stdout, r.stdout
+
+
+# ---------------------------------------------------------------------------- a hostile listed SHA-256
+
+HOSTILE = "../../../../victim"   # from the views' fetched/ folder and the blobs folder: up to tmp_path
+
+
+def test_a_listed_sha256_that_is_a_path_is_one_line_and_touches_nothing_outside_the_cache(hub, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("the user's")
+    hub.listed_sha256[SHARDS[0]] = HOSTILE
+    cache, dst = str(tmp_path / "cache"), str(tmp_path / "dst")
+    r = cli(["mxfp4-to-int4", REPO, "-o", dst], hub, cache)
+    one_line(r, 2, SHARDS[0], "malformed SHA-256")
+    assert victim.read_text() == "the user's"
+    assert set(os.listdir(tmp_path)) <= {"victim", "cache", "dst"}
+    assert not os.path.exists(dst) or not os.listdir(dst)   # no output begun
+    assert shard_gets(hub) == {}   # refused before any shard is fetched
+
+
+@pytest.mark.parametrize("step", ["before_fetch", "release", "discard_bad"])
+def test_owners_refuse_a_sha256_that_is_a_path(step, tmp_path):
+    from converter.errors import BadInput
+    from converter.hub.owners import RunSpace
+    victim = tmp_path / "victim"
+    victim.write_text("the user's")
+    space = RunSpace(str(tmp_path / "cache"), "org/kimi")
+    try:
+        call = {"before_fetch": lambda: space.before_fetch(HOSTILE, 10),
+                "release": lambda: space.release(HOSTILE, [], keep=False),
+                "discard_bad": lambda: space.discard_bad(HOSTILE, [])}[step]
+        with pytest.raises(BadInput, match="malformed SHA-256"):
+            call()
+    finally:
+        space.close()
+    assert victim.read_text() == "the user's"
+    assert sorted(os.listdir(tmp_path)) == ["cache", "victim"]
+
+
+def test_a_full_disk_when_rewriting_needs_json_still_removes_the_blob(tmp_path, monkeypatch):
+    import errno
+
+    from converter.hub.owners import Fate, RunSpace
+    space = RunSpace(str(tmp_path / "cache"), "org/kimi")
+    sha = "ab" * 32
+    try:
+        space.claim({sha})
+        assert space.before_fetch(sha, 3) is False      # marked k3convert's
+        os.makedirs(space.blobs, exist_ok=True)
+        Path(space.blobs, sha).write_bytes(b"abc")
+
+        def full(*a):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(space, "_write_needs", full)
+        assert space.release(sha, [], keep=False) is Fate.REMOVED
+        assert not os.path.exists(os.path.join(space.blobs, sha))
+    finally:
+        space.close()

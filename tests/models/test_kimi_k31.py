@@ -178,6 +178,17 @@ def test_the_plugin_route_refuses_k31_on_rocm_before_load(k31):
             route.decide(quant, None, cfg, good, tensors=tensors)
         line = str(e.value)
         assert "\n" not in line and "vLLM 0.34.0's ROCm Kimi classes cannot load Kimi K3.1's DSA indexer" in line, line
+    # the plugin reads the index lazily: only for a K3 int4 checkpoint on ROCm
+    reads = []
+
+    def read_names():
+        reads.append(1)
+        return names
+    assert route.decide(quant, None, cfg, route.Machine(is_rocm=False), tensors=read_names) is None
+    assert route.decide(None, None, cfg, good, tensors=read_names) is None and reads == []
+    with pytest.raises(route.Refused, match="DSA indexer"):
+        route.decide(quant, None, cfg, good, tensors=read_names)
+    assert reads == [1]
     # vLLM hands the route config objects: text_config and KimiLinearDSAConfig with attributes
     dsa = types.SimpleNamespace(**cfg["text_config"]["dsa_config"])
     obj = types.SimpleNamespace(model_type="kimi_k31", text_config=types.SimpleNamespace(

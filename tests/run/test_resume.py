@@ -614,6 +614,22 @@ def test_parts_then_finalize(small, tmp_path):
     assert tree_hash(src) == src_hash
 
 
+def test_finalize_of_a_record_with_no_source_says_so_not_a_hub_commit(small, tmp_path):
+    src, _, _ = small
+    dst = str(tmp_path / "dst")
+    r = run_cli("mxfp4-to-int4", src, "-o", dst, "--part", "2/2", "--progress", "none", "--devices", "cpu")
+    assert r.exit_code == 0, r.output
+    path = os.path.join(dst, ".k3convert", "run.json")
+    with open(path) as f:
+        record = json.load(f)
+    del record["source"]
+    with open(path, "w") as f:
+        json.dump(record, f)
+    r = run_cli("finalize", dst)
+    assert r.exit_code == 4 and "names no source" in r.output and "Hub" not in r.output, r.output
+    assert_not_complete(dst)
+
+
 # ------------------------------------------------------------------------------ 7. dry run
 
 def test_dry_run_writes_nothing(small, tmp_path):

@@ -117,6 +117,7 @@ class HubServer:
     gated: set[str] = field(default_factory=set)    # repos that answer 403 GatedRepo (terms not accepted)
     drop_after: dict[str, int] = field(default_factory=dict)
     listed_size: dict[str, int] = field(default_factory=dict)
+    listed_sha256: dict[str, str] = field(default_factory=dict)   # a file's LFS SHA-256 as listed (hostile)
     range_from: dict[str, str] = field(default_factory=dict)
     silent_ranges: set[str] = field(default_factory=set)
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
@@ -216,7 +217,7 @@ class HubServer:
                 size = self.listed_size.get(name, f.size)
                 s = {"rfilename": name, "size": size, "blobId": f.sha256[:40]}
                 if f.lfs:
-                    s["lfs"] = {"size": size, "sha256": f.sha256, "pointerSize": 134}
+                    s["lfs"] = {"size": size, "sha256": self.listed_sha256.get(name, f.sha256), "pointerSize": 134}
                 siblings.append(s)
             return self._json(h, 200, {"id": repo, "modelId": repo, "sha": c.sha, "siblings": siblings,
                                        "private": False, "tags": []}, head)
