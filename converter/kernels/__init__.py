@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-__all__ = ["requantizer", "server_requantizer"]
+__all__ = ["nvfp4_requantizer", "nvfp4_searcher", "requantizer", "server_requantizer"]
 
 
 def requantizer(device: str, qmin: int = -8) -> Callable:
@@ -29,3 +29,23 @@ def server_requantizer(device: str) -> Callable:
         return server_requantize
     from .triton_server_rule import requantize
     return requantize
+
+
+def nvfp4_searcher(device: str) -> Callable:
+    """NVFP4 -> int4 group scales ``(packed, block_scales, gscale)`` on ``device``'s tensors: the numba
+    kernel (every core) or the Triton one, the same bytes (docs/nvfp4.md §3)."""
+    if device.startswith("cpu"):
+        from ..quant.nvfp4_requant import search
+        return search
+    from .triton_nvfp4 import search as gpu_search
+    return gpu_search
+
+
+def nvfp4_requantizer(device: str) -> Callable:
+    """One NVFP4 module as int4 group 32 ``(packed, block_scales, gscale)``, computed on ``device``."""
+    if device.startswith("cpu"):
+        from ..quant.nvfp4_requant import requantize_module
+        return requantize_module
+    from .triton_nvfp4 import requantize_module as gpu_module
+    return functools.partial(gpu_module, device=device)
+

@@ -194,3 +194,24 @@ def requantize(packed: torch.Tensor, block_scales: torch.Tensor, g: float, divid
             packed.contiguous(), block_scales.contiguous().view(torch.uint8), gt, scale, words, err, ref, amax, n,
             DIVIDE=bool(divide), BG=bg, SLOTS=SLOTS, num_warps=num_warps, enable_fp_fusion=False)
     return scale, words, err, ref, amax
+
+
+def search(packed: torch.Tensor, block_scales: torch.Tensor, gscale) -> torch.Tensor:
+    """``nvfp4_requant.search`` on a GPU: the scale of every group (float64), the CPU's bits."""
+    return requantize(packed.reshape(-1, 16), block_scales.reshape(-1, 2), gscale.value, gscale.divide)[0]
+
+
+def requantize_module(packed: torch.Tensor, block_scales: torch.Tensor, gscale, device):
+    """``nvfp4_requant.requantize_module`` on ``device`` (a GPU): scales, codes and our figures from the
+    kernel in one pass, the server rule's figure from its torch reference; the CPU's bytes."""
+    from ..quant.nvfp4_requant import GROUP, ModuleResult, decode, out_of_range, server_rule
+
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    packed, block_scales = packed.to(device), block_scales.to(device)
+    theirs = server_rule(decode(packed, block_scales, gscale).reshape(-1, GROUP))
+    s, words, err, ref, amax = requantize(packed.reshape(-1, 16), block_scales.reshape(-1, 2),
+                                          gscale.value, gscale.divide)
+    scales = s.to(torch.bfloat16).reshape(rows, cols // GROUP).cpu()
+    return ModuleResult(words.reshape(rows, cols // 8).cpu(), scales,
+                        float(err.sum()), float(ref.sum()), float(theirs.err2.sum()),
+                        float(amax.max()) if amax.numel() else 0.0, int(out_of_range(s).sum()))

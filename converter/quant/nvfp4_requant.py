@@ -14,8 +14,9 @@ int4 code changes (docs/nvfp4.md §3 has the proof):
   breakpoints are keyed by their float32 bits (exact order) and the candidates ranked in float64,
   ties to the smaller scale.
 
-``search`` runs it as a numba kernel on every core (CPU tensors) or as the Triton kernel
-``kernels/triton_nvfp4.py`` (GPU tensors), the same float64 operations, the same bytes;
+``search`` runs it as a numba kernel on every core; the Triton kernel ``kernels/triton_nvfp4.py`` does
+the same float64 operations on a GPU, the same bytes (``converter.kernels`` picks one by device, as for
+MXFP4: kernels import this module, never the reverse);
 ``tests/formats/test_nvfp4.py`` and ``tests/quant/kernels/test_nvfp4_gpu.py`` compare with the exhaustive
 search over every bf16 scale.
 """
@@ -167,12 +168,10 @@ def _search_groups(byts: np.ndarray, e: np.ndarray, g: float, divide: bool) -> n
 
 def search(packed: torch.Tensor, block_scales: torch.Tensor, gscale: GlobalScale) -> torch.Tensor:
     """The least-squares bf16 scale (float64; 0 for an all-zero group) of every int4 group of an NVFP4
-    tensor: packed uint8 [R, C/2], block scales float8_e4m3fn [R, C/16]. On the tensors' device: the
-    Triton kernel on a GPU, the numba kernel (every core) on the CPU; the same bytes either way."""
+    tensor: packed uint8 [R, C/2], block scales float8_e4m3fn [R, C/16], on the CPU (the numba kernel,
+    every core). ``converter.kernels.nvfp4_searcher`` picks this or the Triton kernel by device: the same
+    bytes either way."""
     groups = packed.reshape(-1, 16)
-    if packed.device.type != "cpu":
-        from ..kernels.triton_nvfp4 import requantize
-        return requantize(groups, block_scales.reshape(-1, 2), gscale.value, gscale.divide)[0]
     e = block_scales.reshape(-1, 2).to(torch.float64)
     return torch.from_numpy(_search_groups(groups.contiguous().numpy(), e.contiguous().numpy(),
                                            gscale.value, gscale.divide))
@@ -196,7 +195,7 @@ class GroupResult:
     out_of_range: torch.Tensor  # bool [G]
 
 
-def _out_of_range(s: torch.Tensor) -> torch.Tensor:
+def out_of_range(s: torch.Tensor) -> torch.Tensor:
     """Groups whose nonzero scale is not a normal bf16 number (subnormal or past bf16's largest)."""
     return (s != 0) & ((s < BF16_MIN_NORMAL) | (s > BF16_MAX))
 
@@ -204,7 +203,7 @@ def _out_of_range(s: torch.Tensor) -> torch.Tensor:
 def optimal(values: torch.Tensor, scales: torch.Tensor) -> GroupResult:
     """The least-squares int4 (codes -8..7) of groups ``values`` float64 [G, 32] given their scales
     (``search``'s, float64 [G])."""
-    bad = _out_of_range(scales)
+    bad = out_of_range(scales)
     q = quantize(values, scales)
     err2 = ((q.double() * scales.unsqueeze(1) - values) ** 2).sum(1)
     return GroupResult(q, scales.to(torch.bfloat16), err2, bad)   # the scales are bf16 numbers: exact
@@ -255,24 +254,12 @@ class ModuleResult:
     out_of_range: int
 
 
-def requantize_module(packed: torch.Tensor, block_scales: torch.Tensor, gscale: GlobalScale,
-                      device: torch.device | str = "cpu") -> ModuleResult:
-    """An NVFP4 linear (uint8 [R, C/2], float8_e4m3fn [R, C/16], its global scale) as int4 group 32,
-    computed on ``device`` (a GPU: the Triton search; the bytes are the CPU's)."""
+def requantize_module(packed: torch.Tensor, block_scales: torch.Tensor, gscale: GlobalScale) -> ModuleResult:
+    """An NVFP4 linear (uint8 [R, C/2], float8_e4m3fn [R, C/16], its global scale) as int4 group 32, on
+    the CPU (``converter.kernels.nvfp4_requantizer`` gives the GPU's, the same bytes)."""
     rows, cols = packed.shape[0], packed.shape[1] * 2
-    packed, block_scales = packed.to(device), block_scales.to(device)
-    v = decode(packed, block_scales, gscale)
-    groups = v.reshape(-1, GROUP)
+    groups = decode(packed, block_scales, gscale).reshape(-1, GROUP)
     theirs = server_rule(groups)
-    if packed.device.type != "cpu":       # the Triton kernel: scales, codes and figures in one pass
-        from ..kernels.triton_nvfp4 import requantize
-        s, words, err, ref, amax = requantize(packed.reshape(-1, 16), block_scales.reshape(-1, 2),
-                                              gscale.value, gscale.divide)
-        bad = _out_of_range(s)
-        scales = s.to(torch.bfloat16).reshape(rows, cols // GROUP).cpu()
-        return ModuleResult(words.reshape(rows, cols // 8).cpu(), scales,
-                            float(err.sum()), float(ref.sum()), float(theirs.err2.sum()),
-                            float(amax.max()) if amax.numel() else 0.0, int(bad.sum()))
     ours = optimal(groups, search(packed, block_scales, gscale))
     diff = ours.q.double() * ours.scale.double().unsqueeze(1) - groups
     return ModuleResult(pack_int4(ours.q.reshape(rows, cols)), ours.scale.reshape(rows, cols // GROUP),

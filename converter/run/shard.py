@@ -128,7 +128,7 @@ class _Fp8Piece(_DequantPiece):
 
 @dataclass
 class _Nvfp4Unit:
-    """One NVFP4 module, read whole and requantized alone (``nvfp4_requant.requantize_module``): its
+    """One NVFP4 module, read whole and requantized alone (``kernels.nvfp4_requantizer``): its
     groups span two E4M3 blocks, so the MXFP4 batch layout does not fit. At most ``readers + 1`` modules
     are in memory at once."""
 
@@ -352,12 +352,13 @@ class ShardConverter:
     def _nvfp4_compute(self, unit: _Nvfp4Unit) -> tuple[list[tuple[str, object]], list[TensorFigures]]:
         """The module's int4 words, bf16 scales and shape, and its figures: our error and the server
         rule's (``cmp_rel_rmse``), both against the NVFP4 values; no output-error figures."""
-        from ..quant.nvfp4_requant import GlobalScale, requantize_module  # numba or Triton: NVFP4 sources only
+        from ..kernels import nvfp4_requantizer  # numba or Triton: NVFP4 sources only
+        from ..quant.nvfp4_requant import GlobalScale
 
         c = unit.item
         assert self.rule is ScaleRule.OPTIMAL, "an NVFP4 plan under another rule is refused (Options.plan)"
         assert unit.packed is not None and unit.scales is not None   # _read_nvfp4 filled them
-        r = requantize_module(unit.packed, unit.scales, GlobalScale(unit.gscale, c.divide), self.device)
+        r = nvfp4_requantizer(str(self.device))(unit.packed, unit.scales, GlobalScale(unit.gscale, c.divide))
         if r.out_of_range:
             raise BadInput(f"{r.out_of_range} group(s) need an int4 scale outside bf16's normal range: not written",
                            file=c.scale.path, tensor=c.scale.name)

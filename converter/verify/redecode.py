@@ -23,15 +23,16 @@ OPT_TENSORS = 8        # tensors whose groups are checked that way (the first sa
 
 def nvfp4_module(s_t: Tensors, m: str, quant: dict, device):
     """Module ``m``'s NVFP4 values in float64 (``nvfp4_requant.decode``) on ``device`` and the scales the
-    conversion's own search (``nvfp4_requant.search``, the Triton kernel on a GPU) gives its groups; names
+    conversion's own search (``kernels.nvfp4_searcher``: numba, or the Triton kernel on a GPU) gives its groups; names
     and how the global scale applies as the manifest's source record says; KeyError names a missing tensor."""
-    from ..quant.nvfp4_requant import GlobalScale, decode, search
+    from ..kernels import nvfp4_searcher
+    from ..quant.nvfp4_requant import GlobalScale, decode
 
     g = s_t.get(f"{m}.{quant['global_suffix']}")
     gs = GlobalScale(float(g.reshape(())), quant.get("global_applies") == "divide")
     packed = s_t.get(f"{m}.{quant['packed_suffix']}").to(device)
     scales = s_t.get(f"{m}.{quant.get('scale_suffix', SCALE)}").to(device)
-    return decode(packed, scales, gs), search(packed, scales, gs)
+    return decode(packed, scales, gs), nvfp4_searcher(packed.device.type)(packed, scales, gs)
 
 
 def run(ctx: Context) -> list[Check]:
@@ -130,7 +131,7 @@ def run(ctx: Context) -> list[Check]:
         if rule in OPTIMA else f"{opt_groups} group(s) of {len(names)} tensor(s) byte-identical to the {rule} rule " \
         "(quant/server_rule.py) applied to the source bytes"
     if searched:
-        opt.summary += f"; all {searched} group(s) at the search's optimum (nvfp4_requant.search, {on.type})"
+        opt.summary += f"; all {searched} group(s) at the search's optimum (kernels.nvfp4_searcher, {on.type})"
     if not names:
         c.skipped = opt.skipped = True
     return [c, opt]

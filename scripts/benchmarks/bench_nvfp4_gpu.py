@@ -4,7 +4,7 @@ Builds a K3-shaped NVFP4 source (compressed-tensors ``nvfp4-pack-quantized``, Mi
 dims: w1/w3 [3072, 3584], w2 [3584, 3072]; heavy-tailed weights through a round-to-nearest NVFP4
 encoder: E4M3 block scale amax * global / 6), then measures, each on the same source:
 
-* the module step alone (``nvfp4_requant.requantize_module``: decode, search, codes, figures) on the GPU
+* the module step alone (``kernels.nvfp4_requantizer``: decode, search, codes, figures) on the GPU
   and on every core, GB/s of source bytes, and whether the bytes agree;
 * ``k3convert mxfp4-to-int4`` and ``k3convert verify DST --source SRC --all`` end to end, on the GPU
   (default devices) and on the CPU (``--devices cpu``; verify with CUDA_VISIBLE_DEVICES=""), and whether the
@@ -28,6 +28,7 @@ import numba
 import torch
 from safetensors.torch import save_file
 
+from converter.kernels import nvfp4_requantizer, nvfp4_searcher
 from converter.quant import nvfp4_requant as nv
 
 HIDDEN, INTER = 3584, 3072
@@ -97,11 +98,12 @@ def modules(root: str):
 def step(root: str, device: str, limit: int | None) -> tuple[float, int, list]:
     """Seconds and source bytes of requantize_module over the (first ``limit``) modules, already in memory."""
     mods = list(modules(root))[:limit]
-    nv.requantize_module(*mods[0][1:], device=device)    # compile / warm
+    run = nvfp4_requantizer(str(device))
+    run(*mods[0][1:])    # compile / warm
     if device != "cpu":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out = [nv.requantize_module(p, s, g, device=device) for _, p, s, g in mods]
+    out = [run(p, s, g) for _, p, s, g in mods]
     dt = time.perf_counter() - t0
     return dt, sum(p.numel() + s.numel() + 4 for _, p, s, _ in mods), out
 
@@ -120,8 +122,8 @@ def profile(mods) -> None:
 
     print(f"per module (ms): decode {timed(lambda p, sc, g: nv.decode(p, sc, g)):.2f}, "
           f"server rule {timed(lambda p, sc, g: nv.server_rule(nv.decode(p, sc, g).reshape(-1, 32))):.2f}, "
-          f"step from host tensors {timed(lambda p, sc, g: nv.requantize_module(p.cpu(), sc.cpu(), g, 'cuda')):.2f}, "
-          f"step from device tensors {timed(lambda p, sc, g: nv.requantize_module(p, sc, g, 'cuda')):.2f}")
+          f"step from host tensors {timed(lambda p, sc, g: nvfp4_requantizer('cuda')(p.cpu(), sc.cpu(), g)):.2f}, "
+          f"step from device tensors {timed(lambda p, sc, g: nvfp4_requantizer('cuda')(p, sc, g)):.2f}")
     pre = [(p.reshape(-1, 16), sc.reshape(-1, 2), g) for p, sc, g in mods]
     ref = [tk.requantize(p, sc, g.value, g.divide) for p, sc, g in pre]
     for bg, nw in ((8, 2), (8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)):
@@ -180,7 +182,7 @@ def main() -> None:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for p, sc, g in mods:
-            nv.search(p, sc, g)
+            nvfp4_searcher(p.device.type)(p, sc, g)
         torch.cuda.synchronize()
         ks = time.perf_counter() - t0
         print(f"search alone (Triton kernel, scales, codes and figures), GPU: {b / ks / 1e9:.2f} GB/s ({ks:.3f} s)")

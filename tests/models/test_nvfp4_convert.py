@@ -213,7 +213,7 @@ def test_verify_source_passes_and_a_flipped_word_fails(layout, sources, converte
     assert r.check("re-decode").summary.startswith(f"{len(EXPERTS_OF)} of {len(EXPERTS_OF)}")
     assert int(r.check("optimality").summary.split()[0]) > 0   # sampled groups held to the brute force
     # and every group to the conversion's own search (issue 42 §3)
-    assert r.check("optimality").summary.endswith("at the search's optimum (nvfp4_requant.search, cpu)")
+    assert r.check("optimality").summary.endswith("at the search's optimum (kernels.nvfp4_searcher, cpu)")
     dst = str(tmp_path / "dst")
     shutil.copytree(converted[layout], dst)
     m = EXPERTS_OF[5]

@@ -25,7 +25,7 @@ GSCALES = {"ct-divide": nv.GlobalScale(1703.2871, True), "modelopt-multiply": nv
 
 def _cases() -> dict[str, tuple[torch.Tensor, torch.Tensor, nv.GlobalScale]]:
     """name -> (packed uint8 [G, 16], E4M3 block scales [G, 2], global scale)."""
-    from test_nvfp4_convert import ct_nvfp4_encode
+    from tests.models.test_nvfp4_convert import ct_nvfp4_encode
     out = {}
     for name, gs in GSCALES.items():
         packed, scales = _groups(40, 3)
