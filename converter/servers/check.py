@@ -25,8 +25,11 @@ FAMILIES: dict[Family, Callable[[Context, Topology], Verdict]] = {Family.VLLM: v
                                                                   Family.SGLANG: sglang.verdict}
 
 
-def context(config: dict | None, tensors: Mapping[str, TensorInfo], request: ServingRequest) -> Context:
-    """Everything the topology does not change, computed once."""
+def context(config: dict | None, tensors: Mapping[str, TensorInfo], request: ServingRequest,
+            weigh_rest: bool = False) -> Context:
+    """Everything the topology does not change, computed once. The other weights' bytes (a pass over
+    every header) only where they are compared with a GPU, or asked for (``weigh_rest``: the card's
+    per-rank figure, on CUDA too)."""
     server = request.server
     mats = headers.matrices(tensors)
     dtype = headers.model_dtype(config)
@@ -44,9 +47,10 @@ def context(config: dict | None, tensors: Mapping[str, TensorInfo], request: Ser
         fixed["loader"] += vllm.model_problems(config, indexer, server)
         fixed["loader"] += fp8_tp.fused_refusals(config, fp8, (
             n[: -len(".weight")] for n in tensors if n.endswith(".weight")), server.release)
-    gpus = request.gpus()   # the other weights' bytes (a pass over every header) only where they are compared
+    gpus = request.gpus()
+    weigh = bool(gpus) or (weigh_rest and server.family is Family.VLLM)
     return Context(config, mats, sizes, experts_of(mats, sizes, config), fixed, server, fp8, block,
-                   rest=rest_of(tensors, mats, server.release, config, server.target.platform) if gpus else Rest(0),
+                   rest=rest_of(tensors, mats, server.release, config, server.target.platform) if weigh else Rest(0),
                    gpus=gpus, budget=request.budget(), indexer=indexer)
 
 

@@ -107,7 +107,8 @@ def outcomes(config: dict | None, tensors: Mapping[str, TensorInfo]) -> list[Out
             vllm = release.version if release.family is Family.VLLM else None
             key = (launch.server, release.version)
             if key not in contexts:
-                contexts[key] = context(config, tensors, ServingRequest.parse(launch.server, vllm=vllm))
+                request = ServingRequest.parse(launch.server, vllm=vllm)
+                contexts[key] = context(config, tensors, request, weigh_rest=True)
             ctx = contexts[key]
             failed = [r.message for r in evaluate_at(ctx, launch.topology) if not r.ok]
             more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""

@@ -77,7 +77,7 @@ def test_h10_the_plugin_installs_from_what_is_shipped_not_a_package_name(k3_dst)
     assert "pip install --no-deps k3convert" not in card
 
 
-_PER_RANK = re.compile(r"^#   (?P<all>[\d.e+-]+) GB of weights per rank \(routed experts (?P<experts>[\d.e+-]+), "
+_PER_RANK = re.compile(r"^#   (?:vLLM [\d.]+: )?(?P<all>[\d.e+-]+) GB of weights per rank \(routed experts (?P<experts>[\d.e+-]+), "
                        r"the rest (?P<rest>[\d.e+-]+)\)")
 
 
