@@ -133,9 +133,8 @@ def _memory(f: Fit | None) -> str:
     known = {g: b for g, b in f.gpus.items() if b}
     if not known:
         return text
-    fits = [f"{g} {b / GIB:g} GiB ({f.room(g)})" for g, b in known.items() if f.left(g) >= 0]
-    short = [f"{g} {b / GIB:g} GiB ({f.room(g).removeprefix('does not fit (')}" for g, b in known.items()
-             if f.left(g) < 0]
+    fits = [f"{g} {b / GIB:g} GiB ({f.margin(g)})" for g, b in known.items() if f.left(g) >= 0]
+    short = [f"{g} {b / GIB:g} GiB ({f.margin(g)})" for g, b in known.items() if f.left(g) < 0]
     return (text + (f"; fits {', '.join(fits)}" if fits else "") + (f"; not {', '.join(short)}" if short else "")
             + f" (gpu_memory_utilization {f.utilization:g}: {f.budget.basis})")
 

@@ -236,11 +236,14 @@ class Fit:
     def fits_any(self) -> bool:
         return any(self.left(g) >= 0 for g in self.gpus)
 
+    def margin(self, gpu: str) -> str:
+        """'14.8 GB left for the KV cache' or '2.1 GB short'."""
+        left = self.left(gpu)
+        return f"{left / 1e9:.3g} GB left for the KV cache" if left >= 0 else f"{-left / 1e9:.3g} GB short"
+
     def room(self, gpu: str) -> str:
         """'14.8 GB left for the KV cache' or 'does not fit (2.1 GB short)'."""
-        left = self.left(gpu)
-        return (f"{left / 1e9:.3g} GB left for the KV cache" if left >= 0 else
-                f"does not fit ({-left / 1e9:.3g} GB short)")
+        return self.margin(gpu) if self.left(gpu) >= 0 else f"does not fit ({self.margin(gpu)})"
 
     def lines(self) -> list[str]:
         """The weights a rank holds; the room left on each GPU; where the utilization comes from."""
