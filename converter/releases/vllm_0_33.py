@@ -6,8 +6,6 @@ where the file name is unique). docs/serving.md explains each rule.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from .release import Facts, Family, MoeActivation, Release, Replicated, Utilization
 
 CITES = {
@@ -176,16 +174,16 @@ CITES = {
 
 KIMI_TYPES = ("kimi_k3", "kimi_k31", "kimi_k3_mtp")
 # Kimi's weights kept whole on every TP rank, by platform (amd/ classes on ROCm, nvidia/ on CUDA)
-_KIMI_ROCM = (
-    Replicated(r"\.block_sparse_moe\.gate\.", "replicated.router"),
-    Replicated(r"\.routed_expert_down_proj\.", "replicated.latent-down"),
-    Replicated(r"\.routed_expert_up_proj\.", "replicated.latent-up", unless="kimi_up_proj_sharded"),
-    Replicated(r"\.(q_a_proj|kv_a_proj_with_mqa)\.", "replicated.mla-a"),
-    Replicated(r"\.f_a_proj\.", "replicated.kda-f-a"),
-    Replicated(r"_res_proj\.", "replicated.res-proj"),
-    Replicated(r"norm\.weight$", "replicated.norm"),
-)
-_KIMI_CUDA = tuple(dataclasses.replace(r, unless="") if r.cite == "replicated.latent-up" else r for r in _KIMI_ROCM)
+_LATENT_UP = r"\.routed_expert_up_proj\."
+_KIMI_HEAD = (Replicated(r"\.block_sparse_moe\.gate\.", "replicated.router"),
+              Replicated(r"\.routed_expert_down_proj\.", "replicated.latent-down"))
+_KIMI_TAIL = (Replicated(r"\.(q_a_proj|kv_a_proj_with_mqa)\.", "replicated.mla-a"),
+              Replicated(r"\.f_a_proj\.", "replicated.kda-f-a"),
+              Replicated(r"_res_proj\.", "replicated.res-proj"),
+              Replicated(r"norm\.weight$", "replicated.norm"))
+# ROCm splits the latent up projection when ``kimi_up_proj_sharded`` holds; CUDA keeps it whole always
+_KIMI_ROCM = (*_KIMI_HEAD, Replicated(_LATENT_UP, "replicated.latent-up", unless="kimi_up_proj_sharded"), *_KIMI_TAIL)
+_KIMI_CUDA = (*_KIMI_HEAD, Replicated(_LATENT_UP, "replicated.latent-up"), *_KIMI_TAIL)
 
 
 def kimi_replicated(rocm: tuple[Replicated, ...], cuda: tuple[Replicated, ...]) -> dict:
