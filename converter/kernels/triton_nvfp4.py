@@ -15,10 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant import server_rule
+
 BG = 8           # groups per program (H100: 8 x 4 warps 1.7x faster than 16 x 4; BENCHMARKS.md)
 NUM_WARPS = 4
 SLOTS = 128      # 112 breakpoint slots, the floor slot (127), padding
 FLOOR = tl.constexpr(127)   # the floor slot (nvfp4_requant.FLOOR)
+AMAX_FLOOR = tl.constexpr(float(torch.tensor(1e-6).bfloat16()))   # server_rule.AMAX_FLOOR as bf16
+RECIP7 = tl.constexpr(float(server_rule.RECIP7))                    # float32(1 / 7), exact in a float
 
 
 @triton.jit
@@ -81,7 +85,36 @@ def _e4m3(byte):
 
 
 @triton.jit
-def _search_kernel(packed_ptr, sbytes_ptr, g_ptr, scale_ptr, words_ptr, err_ptr, ref_ptr, amax_ptr, G,
+def _bf16(x):
+    """float32 ``x`` rounded to bf16 (to nearest, ties to even), as float32: by its bits, so every
+    backend rounds alike."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _server_err2(v):
+    """Per group (row of float64 ``v``), the squared error of the server's load-time rule
+    (``nvfp4_requant.server_rule``): the values as bf16 (float64 -> float32 -> bf16, as torch casts),
+    then aiter's per_1x32_i4_quant: scale bf16(max(amax, bf16(1e-6)) * fp32(1/7)), codes
+    round-half-even(bf16(w / scale)) clamped to +-7; inf where a value is not finite in bf16."""
+    w = _bf16(tl.abs(v).to(tl.float32))                          # |w|: the rounding is symmetric
+    amax = tl.maximum(tl.max(w, axis=1), AMAX_FLOOR)[:, None]
+    scale = _bf16(amax * RECIP7)
+    x = _bf16((w.to(tl.float64) / scale.to(tl.float64)).to(tl.float32))   # fp32 w / s, rounded once
+    r = tl.floor(x)
+    d = x - r
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    q = tl.minimum(tl.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r), 7.0)
+    q = tl.where(v < 0, -q, q)
+    diff = q.to(tl.float64) * scale.to(tl.float64) - v
+    err = tl.sum(diff * diff, axis=1)
+    return tl.where(tl.max(w, axis=1) < float("inf"), err, float("inf"))
+
+
+@triton.jit
+def _search_kernel(packed_ptr, sbytes_ptr, g_ptr, scale_ptr, words_ptr, err_ptr, ref_ptr, amax_ptr, srv_ptr, G,
                    DIVIDE: tl.constexpr, BG: tl.constexpr, SLOTS: tl.constexpr):
     pid = tl.program_id(0)
     g = tl.load(g_ptr)                           # the global scale, float64
@@ -177,23 +210,25 @@ def _search_kernel(packed_ptr, sbytes_ptr, g_ptr, scale_ptr, words_ptr, err_ptr,
     tl.store(err_ptr + rows, tl.sum(diff * diff, axis=1), mask=rmask)
     tl.store(ref_ptr + rows, tl.sum(v * v, axis=1), mask=rmask)
     tl.store(amax_ptr + rows, tl.max(tl.abs(diff), axis=1), mask=rmask)
+    tl.store(srv_ptr + rows, _server_err2(v), mask=rmask)
 
 
 def requantize(packed: torch.Tensor, block_scales: torch.Tensor, g: float, divide: bool, bg: int = BG,
                num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, ...]:
     """NVFP4 groups (packed uint8 [G, 16], float8_e4m3fn block scales [G, 2]) on a GPU -> per group the
     scale (float64, a bf16 number), the int4 words (int32 [G, 4], compressed-tensors pack-quantized),
-    the squared error, the sum of the values squared and the largest |error| (float64)."""
+    the squared error, the sum of the values squared, the largest |error| and the server rule's squared
+    error (float64; inf where that rule cannot hold the values in bf16)."""
     n = packed.shape[0]
     dev = packed.device
-    scale, err, ref, amax = (torch.empty(n, dtype=torch.float64, device=dev) for _ in range(4))
+    scale, err, ref, amax, srv = (torch.empty(n, dtype=torch.float64, device=dev) for _ in range(5))
     words = torch.empty(n, 4, dtype=torch.int32, device=dev)
     gt = torch.full((1,), g, dtype=torch.float64, device=dev)
     if n:
         _search_kernel[(triton.cdiv(n, bg),)](
-            packed.contiguous(), block_scales.contiguous().view(torch.uint8), gt, scale, words, err, ref, amax, n,
+            packed.contiguous(), block_scales.contiguous().view(torch.uint8), gt, scale, words, err, ref, amax, srv, n,
             DIVIDE=bool(divide), BG=bg, SLOTS=SLOTS, num_warps=num_warps, enable_fp_fusion=False)
-    return scale, words, err, ref, amax
+    return scale, words, err, ref, amax, srv
 
 
 def search(packed: torch.Tensor, block_scales: torch.Tensor, gscale) -> torch.Tensor:
@@ -201,17 +236,25 @@ def search(packed: torch.Tensor, block_scales: torch.Tensor, gscale) -> torch.Te
     return requantize(packed.reshape(-1, 16), block_scales.reshape(-1, 2), gscale.value, gscale.divide)[0]
 
 
-def requantize_module(packed: torch.Tensor, block_scales: torch.Tensor, gscale, device):
-    """``nvfp4_requant.requantize_module`` on ``device`` (a GPU): scales, codes and our figures from the
-    kernel in one pass, the server rule's figure from its torch reference; the CPU's bytes."""
-    from ..quant.nvfp4_requant import GROUP, ModuleResult, decode, out_of_range, server_rule
+def requantize_module(packed: torch.Tensor, block_scales: torch.Tensor, gscale, device,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """``nvfp4_requant.requantize_module`` on ``device`` (a GPU): one kernel for the scales, the codes and
+    both rules' figures, then one wait (the figures' copy, ordered after the outputs'). ``out``: host
+    buffers (pinned, for copies that do not stage) for the words and the bf16 scales."""
+    from ..quant.nvfp4_requant import GROUP, ModuleResult, out_of_range
 
     rows, cols = packed.shape[0], packed.shape[1] * 2
-    packed, block_scales = packed.to(device), block_scales.to(device)
-    theirs = server_rule(decode(packed, block_scales, gscale).reshape(-1, GROUP))
-    s, words, err, ref, amax = requantize(packed.reshape(-1, 16), block_scales.reshape(-1, 2),
-                                          gscale.value, gscale.divide)
-    scales = s.to(torch.bfloat16).reshape(rows, cols // GROUP).cpu()
-    return ModuleResult(words.reshape(rows, cols // 8).cpu(), scales,
-                        float(err.sum()), float(ref.sum()), float(theirs.err2.sum()),
-                        float(amax.max()) if amax.numel() else 0.0, int(out_of_range(s).sum()))
+    n = rows * cols // GROUP
+    p = packed.to(device, non_blocking=True).reshape(-1, 16)
+    b = block_scales.to(device, non_blocking=True).reshape(-1, 2)
+    s, words, err, ref, amax, srv = requantize(p, b, gscale.value, gscale.divide)
+    if out is None:
+        out = (torch.empty(rows, cols // 8, dtype=torch.int32), torch.empty(rows, cols // GROUP, dtype=torch.bfloat16))
+    host_words, host_scales = out[0].view(torch.int32).reshape(rows, cols // 8), out[1].view(torch.bfloat16)
+    host_words.copy_(words.reshape(rows, cols // 8), non_blocking=True)
+    host_scales = host_scales.reshape(rows, cols // GROUP)
+    host_scales.copy_(s.to(torch.bfloat16).reshape(rows, cols // GROUP), non_blocking=True)
+    zero = torch.zeros((), dtype=torch.float64, device=p.device)
+    figs = torch.stack([err.sum(), ref.sum(), srv.sum(), amax.max() if n else zero,
+                        out_of_range(s).sum().to(torch.float64)]).tolist()   # waits for the copies too
+    return ModuleResult(host_words, host_scales, figs[0], figs[1], figs[2], figs[3], int(figs[4]))

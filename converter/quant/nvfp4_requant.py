@@ -254,14 +254,19 @@ class ModuleResult:
     out_of_range: int
 
 
-def requantize_module(packed: torch.Tensor, block_scales: torch.Tensor, gscale: GlobalScale) -> ModuleResult:
+def requantize_module(packed: torch.Tensor, block_scales: torch.Tensor, gscale: GlobalScale,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> ModuleResult:
     """An NVFP4 linear (uint8 [R, C/2], float8_e4m3fn [R, C/16], its global scale) as int4 group 32, on
-    the CPU (``converter.kernels.nvfp4_requantizer`` gives the GPU's, the same bytes)."""
+    the CPU (``converter.kernels.nvfp4_requantizer`` gives the GPU's, the same bytes). ``out``: buffers
+    for the words and the scales (any 4- and 2-byte dtype), else new tensors."""
     rows, cols = packed.shape[0], packed.shape[1] * 2
     groups = decode(packed, block_scales, gscale).reshape(-1, GROUP)
     theirs = server_rule(groups)
     ours = optimal(groups, search(packed, block_scales, gscale))
     diff = ours.q.double() * ours.scale.double().unsqueeze(1) - groups
-    return ModuleResult(pack_int4(ours.q.reshape(rows, cols)), ours.scale.reshape(rows, cols // GROUP),
-                        float(ours.err2.sum()), float((groups * groups).sum()), float(theirs.err2.sum()),
+    words, scales = pack_int4(ours.q.reshape(rows, cols)), ours.scale.reshape(rows, cols // GROUP)
+    if out is not None:
+        words = out[0].view(torch.int32).reshape(rows, cols // 8).copy_(words)
+        scales = out[1].view(torch.bfloat16).reshape(rows, cols // GROUP).copy_(scales)
+    return ModuleResult(words, scales, float(ours.err2.sum()), float((groups * groups).sum()), float(theirs.err2.sum()),
                         float(diff.abs().max()) if diff.numel() else 0.0, int(ours.out_of_range.sum()))

@@ -129,8 +129,8 @@ class _Fp8Piece(_DequantPiece):
 @dataclass
 class _Nvfp4Unit:
     """One NVFP4 module, read whole and requantized alone (``kernels.nvfp4_requantizer``): its
-    groups span two E4M3 blocks, so the MXFP4 batch layout does not fit. At most ``readers + 1`` modules
-    are in memory at once."""
+    groups span two E4M3 blocks, so the MXFP4 batch layout does not fit. Read into a pooled buffer
+    (pinned for a GPU) and written from a pooled output buffer, as batches are."""
 
     item: Nvfp4Convert
     packed: torch.Tensor | None = None   # uint8 [rows, cols / 2]
@@ -255,20 +255,23 @@ class ShardConverter:
         # at most: `readers` batches being read, one ready, one computing (inputs); one being
         # filled, `writers` being written and one queued for them (outputs); copy pieces likewise
         self._inputs = _Pool(readers + 2, lambda: self._pair(torch.uint8))
+        self._nvfp4_inputs = _Pool(readers + 2, lambda: self._pair(torch.uint8, width=2))   # E4M3 scales [G, 2]
         self._outputs = _Pool(writers + 2, lambda: self._pair(torch.int16))
         self._copies = _Pool(readers + writers + 2, lambda: np.empty(COPY_PIECE, dtype=np.uint8))
         if self.device.type == "cpu":
             from ..quant.cpu_kernel import output_errors as cpu_output_errors  # numba: CPU path only
             self._cpu_output_errors = cpu_output_errors
 
-    def _pair(self, scale_dtype: torch.dtype, groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pair(self, scale_dtype: torch.dtype, groups: int | None = None, width: int = 1
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed bytes [G, 16] and ``width`` scales a group, pinned for a GPU."""
         g = groups or self.batch_groups
         return (torch.empty((g, 16), dtype=torch.uint8, pin_memory=self.pin),
-                torch.empty((g,), dtype=scale_dtype, pin_memory=self.pin))
+                torch.empty((g, width) if width > 1 else (g,), dtype=scale_dtype, pin_memory=self.pin))
 
-    def _take(self, pool: _Pool, groups: int, scale_dtype: torch.dtype):
+    def _take(self, pool: _Pool, groups: int, scale_dtype: torch.dtype, width: int = 1):
         """A pool buffer, or for a tensor larger than a batch a buffer of its own (not pooled)."""
-        return pool.get() if groups <= self.batch_groups else self._pair(scale_dtype, groups)
+        return pool.get() if groups <= self.batch_groups else self._pair(scale_dtype, groups, width)
 
     # ------------------------------------------------------------------ stages
 
@@ -334,14 +337,15 @@ class ShardConverter:
         return bufs
 
     def _read_nvfp4(self, fds: dict[str, int], unit: _Nvfp4Unit) -> _Nvfp4Unit:
-        """A whole NVFP4 module, its scales' values checked (``nvfp4.global_problem``, ``scale_problem``)."""
+        """A whole NVFP4 module into its (pinned) buffer, its scales' values checked
+        (``nvfp4.global_problem``, ``scale_problem``)."""
         c = unit.item
-        pn = np.empty(c.packed.shape, np.uint8)
-        sn = np.empty(c.scale.shape, np.uint8)
+        packed = unit.buf[0][:c.groups].reshape(c.packed.shape)
+        scales = unit.buf[1][:c.groups].reshape(c.scale.shape)
         gn = np.empty(1, np.float32)
-        for t, arr in ((c.packed, pn), (c.scale, sn), (c.global_scale, gn)):
+        for t, arr in ((c.packed, packed.numpy()), (c.scale, scales.numpy()), (c.global_scale, gn)):
             _pread(fds[t.path], arr, t.start, t.path, t.name)
-        unit.packed, unit.scales = torch.from_numpy(pn), torch.from_numpy(sn).view(torch.float8_e4m3fn)
+        unit.packed, unit.scales = packed, scales.view(torch.float8_e4m3fn)
         unit.gscale = float(gn[0])
         for why, t in ((nvfp4.global_problem(unit.gscale), c.global_scale),
                        (nvfp4.scale_problem(unit.scales), c.scale)):
@@ -349,16 +353,18 @@ class ShardConverter:
                 raise BadInput(why, file=t.path, tensor=t.name)
         return unit
 
-    def _nvfp4_compute(self, unit: _Nvfp4Unit) -> tuple[list[tuple[str, object]], list[TensorFigures]]:
-        """The module's int4 words, bf16 scales and shape, and its figures: our error and the server
-        rule's (``cmp_rel_rmse``), both against the NVFP4 values; no output-error figures."""
+    def _nvfp4_compute(self, unit: _Nvfp4Unit, out_buf, stages: Stages
+                       ) -> tuple[list[tuple[str, object]], list[TensorFigures]]:
+        """The module's int4 words, bf16 scales and shape (in ``out_buf``), and its figures: our error
+        and the server rule's (``cmp_rel_rmse``), both against the NVFP4 values; no output-error figures."""
         from ..kernels import nvfp4_requantizer  # numba or Triton: NVFP4 sources only
         from ..quant.nvfp4_requant import GlobalScale
 
         c = unit.item
         assert self.rule is ScaleRule.OPTIMAL, "an NVFP4 plan under another rule is refused (Options.plan)"
         assert unit.packed is not None and unit.scales is not None   # _read_nvfp4 filled them
-        r = nvfp4_requantizer(str(self.device))(unit.packed, unit.scales, GlobalScale(unit.gscale, c.divide))
+        r = nvfp4_requantizer(str(self.device))(unit.packed, unit.scales, GlobalScale(unit.gscale, c.divide),
+                                                out=(out_buf[0][:c.groups], out_buf[1][:c.groups]))
         if r.out_of_range:
             raise BadInput(f"{r.out_of_range} group(s) need an int4 scale outside bf16's normal range: not written",
                            file=c.scale.path, tensor=c.scale.name)
@@ -527,8 +533,10 @@ class ShardConverter:
             with stages.time("wait_write"):  # copy buffers come back from the writers
                 if isinstance(unit, (_CopyPiece, _DequantPiece)):
                     unit.buf = self._copies.get()
-                elif isinstance(unit, _Batch):   # an _Nvfp4Unit reads into its own arrays
+                elif isinstance(unit, _Batch):
                     unit.buf = self._take(self._inputs, unit.groups, torch.uint8)
+                elif isinstance(unit, _Nvfp4Unit):
+                    unit.buf = self._take(self._nvfp4_inputs, unit.groups, torch.uint8, 2)
             reads.append(rd.submit(self._read, fds, unit, stages))
 
         for _ in range(self.readers + 1):
@@ -547,23 +555,18 @@ class ShardConverter:
                 writes.append(wr.submit(self._write, writer, [(unit.name, unit.data)], unit.offset,
                                         self._copies, unit.buf, progress, unit.nbytes, stages))
                 continue
-            if isinstance(unit, _Nvfp4Unit):
-                with stages.time("compute"):
-                    pieces, f = self._nvfp4_compute(unit)
-                figs += f
-                writes.append(wr.submit(self._write, writer, pieces, 0, None, None, progress, unit.item.nbytes,
-                                        stages))
-                continue
             with stages.time("wait_write"):
                 out_buf = self._take(self._outputs, unit.groups, torch.int16)
+            nvfp4 = isinstance(unit, _Nvfp4Unit)
             with stages.time("compute"):
-                pieces, f = self._compute(unit, out_buf, stages)
+                pieces, f = (self._nvfp4_compute if nvfp4 else self._compute)(unit, out_buf, stages)
             pooled = unit.groups <= self.batch_groups
             if pooled:
-                self._inputs.put(unit.buf)
+                (self._nvfp4_inputs if nvfp4 else self._inputs).put(unit.buf)
             figs += f
+            nbytes = unit.item.nbytes if nvfp4 else sum(c.nbytes for c in unit.items)
             writes.append(wr.submit(self._write, writer, pieces, 0, self._outputs if pooled else None, out_buf,
-                                    progress, sum(c.nbytes for c in unit.items), stages))
+                                    progress, nbytes, stages))
         with stages.time("wait_write"):
             for w in writes:
                 w.result()

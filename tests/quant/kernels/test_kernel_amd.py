@@ -146,7 +146,7 @@ def test_nvfp4_search_kernel_compiles_for_amd(arch: str, divide: bool) -> None:
     from converter.kernels.triton_nvfp4 import BG, NUM_WARPS, SLOTS, _search_kernel
 
     sig = {"packed_ptr": "*u8", "sbytes_ptr": "*u8", "g_ptr": "*fp64", "scale_ptr": "*fp64", "words_ptr": "*i32",
-           "err_ptr": "*fp64", "ref_ptr": "*fp64", "amax_ptr": "*fp64", "G": "i32",
+           "err_ptr": "*fp64", "ref_ptr": "*fp64", "amax_ptr": "*fp64", "srv_ptr": "*fp64", "G": "i32",
            "DIVIDE": "constexpr", "BG": "constexpr", "SLOTS": "constexpr"}
     src = ASTSource(fn=_search_kernel, signature=sig, constexprs={"DIVIDE": divide, "BG": BG, "SLOTS": SLOTS})
     compiled = triton.compile(src, target=GPUTarget("hip", arch, 64),

@@ -21,6 +21,8 @@ from tests.formats.test_nvfp4 import _groups  # noqa: E402
 
 GSCALES = {"ct-divide": nv.GlobalScale(1703.2871, True), "modelopt-multiply": nv.GlobalScale(3.7e-4, False),
            "unit": nv.GlobalScale(1.0, False)}
+# the server rule's edges: values around its amax floor bf16(1e-6), and values past bf16's range
+SERVER_EDGES = {"server-tiny": nv.GlobalScale(2.5e-7, False), "server-overflow": nv.GlobalScale(1e36, False)}
 
 
 def _cases() -> dict[str, tuple[torch.Tensor, torch.Tensor, nv.GlobalScale]]:
@@ -30,6 +32,9 @@ def _cases() -> dict[str, tuple[torch.Tensor, torch.Tensor, nv.GlobalScale]]:
     for name, gs in GSCALES.items():
         packed, scales = _groups(40, 3)
         out[f"adversarial-{name}"] = (packed, scales, gs)
+    for name, gs in SERVER_EDGES.items():
+        packed, scales = _groups(40, 4)
+        out[name] = (packed, scales, gs)
     torch.manual_seed(42)
     w = torch.distributions.StudentT(4.0).sample((2, 512)) / 20
     enc = ct_nvfp4_encode(w)
@@ -42,7 +47,7 @@ def _child_main(path: str) -> None:
     from converter.kernels.triton_nvfp4 import requantize
     res = {}
     for name, (packed, scales, gs) in _cases().items():
-        for key, x in zip(("scale", "words", "err2", "ref2", "amax"), requantize(packed, scales, gs.value, gs.divide)):
+        for key, x in zip(("scale", "words", "err2", "ref2", "amax", "server"), requantize(packed, scales, gs.value, gs.divide)):
             res[f"{name}/{key}"] = x.numpy()
     np.savez(path, **res)
 
@@ -72,3 +77,21 @@ def test_kernel_scales_are_the_cpu_search_and_the_optimum(kernel, name):
     nonzero = v.abs().amax(1) > 0
     # ties go to the smaller scale, as the exhaustive search's argmin (first in ascending order) does
     assert torch.equal(got[nonzero], best_scale[nonzero]) and not got[~nonzero].any()
+
+
+@pytest.mark.parametrize("name", [f"adversarial-{n}" for n in GSCALES] + ["student-t", *SERVER_EDGES])
+def test_kernel_server_figure_is_the_torch_rule(kernel, name):
+    """The server rule's squared error the kernel gives per group is ``nvfp4_requant.server_rule``'s (torch:
+    bf16 values, aiter's amax / 7 and RTN), inf exactly where that rule's bf16 values are not finite."""
+    packed, scales, gs = _cases()[name]
+    v = nv.decode(packed, scales, gs).reshape(-1, 32)
+    ref = nv.server_rule(v)
+    got = torch.from_numpy(kernel[f"{name}/server"])
+    bad = ref.out_of_range
+    assert torch.equal(torch.isinf(got), bad)
+    assert torch.allclose(got[~bad], ref.err2[~bad], rtol=1e-13, atol=0)
+    amax = v.abs().amax(1)
+    if name == "server-tiny":   # the floor is met: groups below it, nonzero, and above it
+        assert ((amax > 0) & (amax < 1e-6)).any() and (amax > 1e-6).any()
+    if name == "server-overflow":
+        assert bad.any() and not bad.all()
