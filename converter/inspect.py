@@ -66,7 +66,7 @@ def _detect(blocks: list[tuple[tuple[str, ...], dict]], has_manifest: bool, sour
     """(kind, a sentence) from the source as a conversion reads it (``read_source``), the quantization blocks
     and the presence of a k3convert manifest."""
     if source is not None:
-        writer, fp4 = source.source_format.rsplit(" ", 1)
+        writer, fp4 = source.writer, source.fp4
         where = "" if os.path.basename(stated_in) == "config.json" else f", stated in {os.path.basename(stated_in)}"
         return MXFP4_SOURCE, (f"{fp4} source ({writer}{where}): k3convert converts this"
                               + (" (docs/nvfp4.md)" if isinstance(source, nvfp4.Nvfp4Source) else ""))
@@ -221,7 +221,7 @@ def _plan(path: str) -> dict[str, Any]:
             plan, requires = build_plan(path, drop_activation_quant=True), ckpt.DROP_FLAG
         except BadInput:
             return {"error": str(e)}
-    return {"fp4": plan.source.source_format.rsplit(" ", 1)[-1], "bytes_in": plan.bytes_in,
+    return {"fp4": plan.source.fp4, "bytes_in": plan.bytes_in,
             "bytes_out": plan.bytes_out, "tensors_to_convert": plan.n_convert, "modules_to_bf16": plan.dequantized,
             "source_tensors_converted": sum(len(c.tensors) for s in plan.shards for c in s.converts),
             "activation": plan.activation, "modules_split_across_shards": plan.straddled,

@@ -64,9 +64,18 @@ class MXFP4Source:
         raise NotImplementedError
 
     @property
+    def writer(self) -> str:
+        """Who wrote the source's layout (``inspect`` shows it beside ``fp4``)."""
+        return self.dialect
+
+    @property
+    def fp4(self) -> str:
+        return "MXFP4"
+
+    @property
     def source_format(self) -> str:
         """What the manifest and report say the source holds (``checkpoint.source_format`` reads it back)."""
-        return mxfp4_format(self.dialect)
+        return f"{self.writer} {self.fp4}"
 
     @property
     def scale_rules(self) -> tuple[ScaleRule, ...]:

@@ -93,8 +93,12 @@ class Nvfp4Source(MXFP4Source):
     rule: Callable[[str], bool] = field(compare=False, default=lambda m: True)
 
     @property
-    def source_format(self) -> str:
-        return nvfp4_format(self.layout)
+    def writer(self) -> str:
+        return _WRITER[self.layout]
+
+    @property
+    def fp4(self) -> str:
+        return "NVFP4"
 
     @property
     def scale_rules(self) -> tuple[ScaleRule, ...]:
