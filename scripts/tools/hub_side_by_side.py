@@ -5,7 +5,7 @@ yet converted: where a0896fb's shared view was re-stubbed under it), conversion 
 another DST (``--mode two-dsts``), or into A's DST (``--mode same-dst``: B may be refused in one line,
 exit 4), or as a ``--dry-run`` (``--mode dry-run``); ``--mode mixed`` cycles through the three. Every
 finished output is compared, file by file, with the local conversion of the same files
-(tests/hub/test_hub_source.py ``assert_same_output``). Prints one line per round and a summary; exit 1
+(tests/support/hub_runs.py ``assert_same_output``). Prints one line per round and a summary; exit 1
 if any round differed or failed.
 
     PYTHONPATH=. python scripts/tools/hub_side_by_side.py --rounds 20 --mode mixed
@@ -20,10 +20,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "support")]   # the tests package, its helpers
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "support")]   # the package, the tests' helpers
 
+from hub_runs import REPO, SHARDS, assert_same_output, cli  # noqa: E402
 from hub_server import HubServer  # noqa: E402
-from tests.hub.test_hub_source import REPO, SHARDS, assert_same_output, cli  # noqa: E402
 
 from converter.fixture import FixtureSpec, make_fixture  # noqa: E402
 

@@ -102,10 +102,10 @@ def test_from_the_hub_a_previous_shards_global_scale_and_hf_quant_config_are_rea
     """Straight from a (local, loopback) Hub with one shard ahead: a shard whose global scales sit in the
     previous shard waits for it as for any partner, and a ModelOpt <= 0.27 repository's hf_quant_config.json
     (a side file of the view) is its statement; each output equals the local conversion of the same files."""
+    from hub_runs import cli
     from hub_server import HubServer
 
     from tests.formats.test_nvfp4 import to_modelopt
-    from tests.hub.test_hub_source import cli
     from tests.models.test_nvfp4_convert import MODELOPT_CONFIG
 
     sd = dict(sorted(_tensors().items()))

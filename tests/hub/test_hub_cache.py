@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 from dst_helpers import mounted_tmpfs
+from hub_runs import REPO, SHARDS, STATE, assert_same_output, blobs, cli, shard_gets
 from hub_server import HubServer, SilentServer
 
 from converter.hub.owners import VIEWS
 from converter.run import fetch_wait
 from tests.hub import test_hub_source
-from tests.hub.test_hub_source import REPO, SHARDS, STATE, assert_same_output, blobs, cli, shard_gets
 
 src, local_dst, hub = test_hub_source.src, test_hub_source.local_dst, test_hub_source.hub   # the fixtures
 RUNS = Path("org--kimi", "runs")
