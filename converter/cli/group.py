@@ -45,7 +45,7 @@ class _Main(click.Group):
 
     def resolve_command(self, ctx, args):
         name = click.utils.make_str(args[0]) if args else None
-        self.k3_command = self.aliases.get(name, name) if name else name  # streams.Guard: whether it is a job
+        self.k3_command = name and self.aliases.get(name, name)  # streams.Guard: whether it is a job
         if name is not None and self.get_command(ctx, name) is None and not name.startswith("-"):
             raise click.UsageError(unknown_command(name, [*self.list_commands(ctx), *self.aliases]), ctx)
         _, cmd, rest = super().resolve_command(ctx, args)

@@ -172,7 +172,6 @@ CITES = {
                           "weight_scale is dropped)",
 }
 
-KIMI_TYPES = ("kimi_k3", "kimi_k31", "kimi_k3_mtp")
 # Kimi's weights kept whole on every TP rank, by platform (amd/ classes on ROCm, nvidia/ on CUDA)
 _LATENT_UP = r"\.routed_expert_up_proj\."
 _KIMI_HEAD = (Replicated(r"\.block_sparse_moe\.gate\.", "replicated.router"),
@@ -186,24 +185,25 @@ _KIMI_ROCM = (*_KIMI_HEAD, Replicated(_LATENT_UP, "replicated.latent-up", unless
 _KIMI_CUDA = (*_KIMI_HEAD, Replicated(_LATENT_UP, "replicated.latent-up"), *_KIMI_TAIL)
 
 
-def kimi_replicated(rocm: tuple[Replicated, ...], cuda: tuple[Replicated, ...]) -> dict:
-    """The (model_type, platform) table of Facts.replicated for every Kimi model type."""
-    return {(t, platform): rows for t in KIMI_TYPES for platform, rows in (("ROCm", rocm), ("CUDA", cuda))}
+def kimi_replicated(types: tuple[str, ...], rocm: tuple[Replicated, ...], cuda: tuple[Replicated, ...]) -> dict:
+    """The (model_type, platform) table of Facts.replicated for the release's Kimi model ``types``."""
+    return {(t, platform): rows for t in types for platform, rows in (("ROCm", rocm), ("CUDA", cuda))}
 
 
 _MINIMAX = MoeActivation("swigluoai_uninterleave", {"swiglu_alpha": 1.702, "swiglu_beta": 1.0, "swiglu_limit": 7.0},
                          "activation.minimax_m3")
 
+_KIMI, _KIMI_MTP = ("kimi_k3",), ("kimi_k3_mtp",)
 RELEASE = Release(
     Family.VLLM, "0.33.0", CITES,
-    Facts(kimi_model_types=("kimi_k3",),
-          kimi_mtp_types=("kimi_k3_mtp",),               # config/speculative.py 785-792
+    Facts(kimi_model_types=_KIMI,
+          kimi_mtp_types=_KIMI_MTP,                      # config/speculative.py 785-792
           kimi_padding_crashes=True,                     # models/kimi_k3/amd/linear.py 349-357: AttributeError
           gemm1_module="aiter.ops.flydsl.kernels.moe_2stage_a16wmix",   # quantization/mxfp4.py 882
           align=128,                                     # fused_moe/oracle/mxfp4.py 888-892
           aiter_pin="v0.1.26",                           # docker/Dockerfile.rocm_base 11 at the release commit
           moe_activations={"minimax_m3_vl": _MINIMAX, "minimax_m3_text": _MINIMAX},
           utilization=Utilization(0.92, "memory.utilization"),
-          replicated=kimi_replicated(_KIMI_ROCM, _KIMI_CUDA)),
+          replicated=kimi_replicated((*_KIMI, *_KIMI_MTP), _KIMI_ROCM, _KIMI_CUDA)),
     wheel="vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl",
 )

@@ -145,10 +145,11 @@ _LING = MoeActivation("swiglustep", {"expert_swiglu_limit_list": 7.0}, "activati
 
 _DSA = Replicated(r"\.self_attn\.(dsa_)?indexer\.", "replicated.dsa-indexer")
 
+_KIMI, _KIMI_MTP = ("kimi_k3", "kimi_k31"), ("kimi_k3_mtp",)
 RELEASE = Release(
     Family.VLLM, "0.34.0", CITES,
-    Facts(kimi_model_types=("kimi_k3", "kimi_k31"),
-          kimi_mtp_types=("kimi_k3_mtp",),               # config/speculative.py 883-890 (K3.1's draft keeps kimi_k31)
+    Facts(kimi_model_types=_KIMI,
+          kimi_mtp_types=_KIMI_MTP,               # config/speculative.py 883-890 (K3.1's draft keeps kimi_k31)
           kimi_padding_crashes=True,                     # linear.py 354-362: the same code as 0.33.0's
           kimi_dsa=True,                                 # models/kimi_k3/nvidia/dsa.py, model.py 1028-1079
           gemm1_module="aiter.ops.flydsl.kernels.moe_2stage_a16wmix",   # quantization/mxfp4.py 987-989
@@ -157,6 +158,6 @@ RELEASE = Release(
           moe_activations={"minimax_m3_vl": _MINIMAX, "minimax_m3_text": _MINIMAX,
                            "bailing_moe_v3": _LING, "bailing_hybrid": _LING},
           utilization=Utilization(0.92, "memory.utilization", extensible=1.0, extensible_on=("CUDA", "ROCm")),
-          replicated=kimi_replicated((*_KIMI_ROCM, _DSA), (*_KIMI_CUDA, _DSA))),
+          replicated=kimi_replicated((*_KIMI, *_KIMI_MTP), (*_KIMI_ROCM, _DSA), (*_KIMI_CUDA, _DSA))),
     wheel="vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl",
 )
