@@ -46,7 +46,7 @@ def sh(cmd: list[str], cwd: str | None = None) -> float:
     return time.perf_counter() - t0
 
 
-def convert(code: str, src: str, dst: str, devices: str, workers: int, cold: bool, io: str | None = None,
+def convert(code: str, src: str, dst: str, devices: str, workers: int | str, cold: bool, io: str | None = None,
             extra: tuple[str, ...] = ()) -> dict:
     """One conversion with the package found in ``code``; timings from its JSON events."""
     shutil.rmtree(dst, ignore_errors=True)
