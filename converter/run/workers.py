@@ -58,9 +58,9 @@ READERS, WRITERS = 3, 2     # ShardConverter's I/O threads unless K3CONVERT_IO_T
 def worker_bytes(threads: int, batch_groups: int = CPU_BATCH_GROUPS, readers: int = READERS,
                  writers: int = WRITERS) -> int:
     """Peak memory of one CPU worker: its runtime, ShardConverter's buffer pools (inputs
-    uint8 [G, 16] + [G]; outputs uint8 [G, 16] + int16 [G]; copy pieces) and the 64 MiB output
-    chunks its hashing threads map. A shard's size does not enter: memory is bounded by these."""
-    inputs = (readers + 2) * 17 * batch_groups
+    uint8 [G, 16] + [G], or [G, 2] for NVFP4; outputs uint8 [G, 16] + int16 [G]; copy pieces) and the
+    64 MiB output chunks its hashing threads map. A shard's size does not enter: memory is bounded by these."""
+    inputs = (readers + 2) * 18 * batch_groups   # one input pool fills: a source is MXFP4 or NVFP4
     outputs = (writers + 2) * 18 * batch_groups
     copies = (readers + writers + 2) * COPY_PIECE
     return RUNTIME_BYTES + inputs + outputs + copies + digest.threads_for(threads) * digest.CHUNK

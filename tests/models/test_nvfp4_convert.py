@@ -433,3 +433,19 @@ def test_a_changed_hf_quant_config_is_a_changed_source(sources, tmp_path):
     write_json(os.path.join(src, "hf_quant_config.json"), statement)
     r = run_cli("mxfp4-to-int4", src, "-o", dst, "--drop-activation-quant", "--progress", "none")
     assert r.exit_code != 0 and "hf_quant_config.json" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("batch_groups", [HIDDEN * INTER // 32 - 1, HIDDEN * INTER // 32])
+def test_modules_over_the_pooled_buffer_size_convert_the_same(batch_groups, sources, converted, tmp_path):
+    """A module larger than a pooled buffer reads into and writes from buffers of its own; one that fits
+    takes pooled ones, reused across the 24 modules: either way the same DST shards as the default run."""
+    from converter.run.options import Options
+    from converter.run.pipeline import convert
+
+    dst = str(tmp_path / "out")
+    convert(sources["compressed-tensors"], dst, Options(batch_groups=batch_groups))
+    shards = sorted(n for n in os.listdir(dst) if n.endswith(".safetensors"))
+    assert shards and shards == sorted(n for n in os.listdir(converted["compressed-tensors"]) if n.endswith(".safetensors"))
+    for n in shards:
+        with open(os.path.join(dst, n), "rb") as a, open(os.path.join(converted["compressed-tensors"], n), "rb") as b:
+            assert a.read() == b.read(), n

@@ -68,11 +68,14 @@ def test_worker_bytes_are_shard_converters_pools():
     assert workers.COPY_PIECE == shard.COPY_PIECE
     groups = 4096
     conv = shard.ShardConverter(requantize, "cpu", groups)
-    pooled = 0
-    for pool in (conv._inputs, conv._outputs, conv._copies):
+
+    def pooled_bytes(pool) -> int:
         buf = pool._make()
-        size = sum(t.numel() * t.element_size() for t in buf) if isinstance(buf, tuple) else buf.nbytes
-        pooled += pool._count * size
+        return pool._count * (sum(t.numel() * t.element_size() for t in buf) if isinstance(buf, tuple) else buf.nbytes)
+
+    # a source is MXFP4 or NVFP4: one of the two input pools fills (each allocates on first use)
+    pooled = max(pooled_bytes(conv._inputs), pooled_bytes(conv._nvfp4_inputs)) + \
+        pooled_bytes(conv._outputs) + pooled_bytes(conv._copies)
     hashing = digest.threads_for(6) * digest.CHUNK
     assert worker_bytes(6, groups) == workers.RUNTIME_BYTES + pooled + hashing
     assert worker_bytes(6, 2 * groups) > worker_bytes(6, groups)
