@@ -149,7 +149,7 @@ _KIMI, _KIMI_MTP = ("kimi_k3", "kimi_k31"), ("kimi_k3_mtp",)
 RELEASE = Release(
     Family.VLLM, "0.34.0", CITES,
     Facts(kimi_model_types=_KIMI,
-          kimi_mtp_types=_KIMI_MTP,               # config/speculative.py 883-890 (K3.1's draft keeps kimi_k31)
+          kimi_mtp_types=_KIMI_MTP,                      # config/speculative.py 883-890 (K3.1's draft keeps kimi_k31)
           kimi_padding_crashes=True,                     # linear.py 354-362: the same code as 0.33.0's
           kimi_dsa=True,                                 # models/kimi_k3/nvidia/dsa.py, model.py 1028-1079
           gemm1_module="aiter.ops.flydsl.kernels.moe_2stage_a16wmix",   # quantization/mxfp4.py 987-989
