@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 from ..errors import BadInput
 from ..quant.rules import DEFAULT as DEFAULT_RULE, RULE_KEY, ScaleRule
@@ -63,19 +63,17 @@ class MXFP4Source:
     def selects(self, module: str) -> bool:
         raise NotImplementedError
 
-    @property
-    def writer(self) -> str:
-        """Who wrote the source's layout (``inspect`` shows it beside ``fp4``)."""
-        return self.dialect
+    fp4: ClassVar[str] = "MXFP4"   # the FP4 kind (``inspect`` shows it beside ``writer``)
 
     @property
-    def fp4(self) -> str:
-        return "MXFP4"
+    def writer(self) -> str:
+        """Who wrote the source's layout."""
+        return self.dialect
 
     @property
     def source_format(self) -> str:
         """What the manifest and report say the source holds (``checkpoint.source_format`` reads it back)."""
-        return f"{self.writer} {self.fp4}"
+        return format_name(self.writer, self.fp4)
 
     @property
     def scale_rules(self) -> tuple[ScaleRule, ...]:
@@ -137,9 +135,14 @@ class MXFP4Source:
         return name
 
 
+def format_name(writer: str, fp4: str) -> str:
+    """``source_format``: the layout's writer, then the FP4 kind."""
+    return f"{writer} {fp4}"
+
+
 def mxfp4_format(dialect: str) -> str:
     """``source_format`` of an MXFP4 source of ``dialect``."""
-    return f"{dialect} MXFP4"
+    return format_name(dialect, MXFP4Source.fp4)
 
 
 def source_name(name: str, renames: Any) -> str:

@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from ..errors import BadInput
 from ..quant.rules import DEFAULT as DEFAULT_RULE, ScaleRule
@@ -33,6 +33,7 @@ from .dialect import (
     MXFP4Source,
     dotted,
     drop_or_refuse,
+    format_name,
     int4_block,
     int4_targets,
     quant_blocks,
@@ -77,7 +78,7 @@ def scale_problem(scales: Any) -> str | None:
 
 def nvfp4_format(layout: Layout) -> str:
     """What the manifest and report call a source of ``layout`` (``source_format``)."""
-    return f"{_WRITER[layout]} NVFP4"
+    return format_name(_WRITER[layout], Nvfp4Source.fp4)
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,11 @@ class Nvfp4Source(MXFP4Source):
     divide: bool = True                            # value = ... / global (else * global)
     rule: Callable[[str], bool] = field(compare=False, default=lambda m: True)
 
+    fp4: ClassVar[str] = "NVFP4"
+
     @property
     def writer(self) -> str:
         return _WRITER[self.layout]
-
-    @property
-    def fp4(self) -> str:
-        return "NVFP4"
 
     @property
     def scale_rules(self) -> tuple[ScaleRule, ...]:
